@@ -1,0 +1,27 @@
+# `make test` is the test command CI runs (.ci/run); `make demo` runs the main job.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: this machine carries the 2.13.0 CPU wheel; an unpinned torch would pull a CUDA build.
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test,notebooks,parity]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests
+
+demo: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset tiny --context 4096
+	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset v41_flash --context 1048576
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,5 @@
+import sys
+
+from csa2.inspect import main
+
+sys.exit(main())
