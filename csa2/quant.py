@@ -1,10 +1,10 @@
 """Block-scaled storage formats of the model (SPEC §8): quantize, dequantize, fake-quant.
 
-| format   | tensor                   | payload  | scale (one per block of the last axis)          | bytes/entry |
-|----------|--------------------------|----------|-------------------------------------------------|-------------|
-| `main`   | Global Main KV (512)     | FP4 e2m1 | e4m3 per 16: `e4m3(max(amax, 6*2^-9) / 6)`       | 256+32=288  |
-| `index`  | Indexer K/Q (128), MXFP4 | FP4 e2m1 | ue8m0 per 32: `2^ceil(log2(max(amax, 6*2^-126) / 6))` | 64+4=68 |
-| `window` | SWA ring KV (512)        | FP8 e4m3 | ue8m0 per 32: `2^ceil(log2(max(amax, 1e-4) / 448))`   | 512+16=528 |
+| format   | tensor                   | payload  | scale per block of the last axis                      | bytes/entry |
+|----------|--------------------------|----------|-------------------------------------------------------|-------------|
+| `main`   | Global Main KV (512)     | FP4 e2m1 | e4m3 per 16: `e4m3(max(amax, 6*2^-9) / 6)`            | 256+32=288  |
+| `index`  | Indexer K/Q (128), MXFP4 | FP4 e2m1 | ue8m0 per 32: `2^ceil(log2(max(amax, 6*2^-126) / 6))` | 64+4=68     |
+| `window` | SWA ring KV (512)        | FP8 e4m3 | ue8m0 per 32: `2^ceil(log2(max(amax, 1e-4) / 448))`   | 512+16=528  |
 
 Conventions:
 - The last axis is the feature axis and must be divisible by the format's block; any leading
@@ -19,9 +19,10 @@ Conventions:
 - Window payload is `float8_e4m3fn` `[..., D]`. Scales are `float8_e4m3fn` `[..., D // 16]`
   (main) or `float8_e8m0fnu` `[..., D // 32]` (index, window), one byte each.
 - Signed zeros are kept: -0.0 and negatives that round to zero dequantize to -0.0.
-  All-zero blocks use the floor scale and dequantize to zeros. Magnitudes below half the
-  smallest nonzero step (main 2^-10, index 2^-127, window 2^-31 at the floor scale) round to
-  zero; results that would be float32 subnormals may be flushed to zero by the backend.
+  All-zero blocks use the floor scale and dequantize to zeros. At the floor scale the smallest
+  nonzero outputs are main 2^-10, index 2^-127, window 2^-31; magnitudes up to half of that
+  round to zero, and results that would be float32 subnormals may be flushed to zero by the
+  backend (XLA:CPU does).
   Dequantized magnitudes above float32 max (possible for index/window when |x| is within one
   rounding step of it, e.g. 3e38 -> 4 * 2^126) saturate to float32 max. Inputs must be finite.
 - `fake_quant(x) == dequantize(*quantize(x))` bit for bit, in `x.dtype`. Its gradient is

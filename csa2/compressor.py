@@ -1,0 +1,137 @@
+"""Compressor of a Full layer (SPEC §4): pools groups of `ratio` tokens into Global KV entries.
+
+Entry `i` of a ratio-r source pools positions `r·i … r·i+r−1`:
+- r > 1: `latent_i = RMSNorm(Σ_j softmax_j(z)[ch] · kv_j[ch])`, `kv_j = W_ckv x_j`, `z_j = W_cg x_j`,
+  a per-channel softmax over the r group members;
+- r = 1: `latent_i = RMSNorm(W_ckv x_i)`, no gate and no tail.
+Then `main_i = RoPE(latent_i, r·i)` and `ikey_i = RoPE(RMSNorm_k(W_ik latent_i), r·i)` (SPEC §7
+YaRN frequencies of ratio≠0 layers), stored in the MAIN / INDEX formats of SPEC §8.
+
+Streaming (DESIGN §2): a chunk at positions `start + j` completes the entries
+`[start // r, (start + n_valid) // r)`. Members before `start` are read from the tail ring
+(slot `pos % slots`), so every chunking — prefill, decode, verify — writes the same entries, and
+commit after verify is "set length". An incomplete group is never written to Global KV.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from csa2 import cache, quant
+from csa2.config import ModelConfig
+from csa2.norm import rms_norm
+from csa2.params import dense, ones
+from csa2.rope import apply_rope, rope_frequencies
+from csa2.state import CompressorTail, GlobalKV, tail_slots
+
+Array = jax.Array
+
+
+def init_compressor_params(cfg: ModelConfig, ratio: int, key: Array) -> dict:
+    """Weights of a ratio-`ratio` compressor; `wgate` exists only when tokens are pooled (ratio > 1)."""
+    _check_ratio(ratio)
+    k_kv, k_gate, k_ik = jax.random.split(key, 3)
+    d, D, Di, std = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim, cfg.initializer_range
+    params = {"wkv": dense(k_kv, (d, D), std), "norm": ones(D),
+              "wik": dense(k_ik, (D, Di), std), "ik_norm": ones(Di)}
+    if ratio > 1:
+        params["wgate"] = dense(k_gate, (d, D), std)
+    return params
+
+
+def compress(cfg: ModelConfig, params: dict, ratio: int, gkv: GlobalKV, tail: CompressorTail,
+             x: Array, start: Array, n_valid: Array, *, quantize: bool) -> tuple[GlobalKV, CompressorTail]:
+    """Write the entries completed by a chunk into `gkv` and its pre-pool projections into `tail`.
+
+    x [B, S, hidden_size]: the Full layer's attention input at positions `start[b] + j`;
+    start [B] int32: committed length before the chunk; n_valid [B] int32 (≤ S): valid tokens per
+    row, the rest is padding and changes nothing. Packed storage is used iff `gkv.kv_scale` is not
+    None (then entries are always quantized); `quantize` fake-quantizes float-format entries.
+    """
+    x, start, n_valid = jnp.asarray(x), jnp.asarray(start), jnp.asarray(n_valid)
+    _check_inputs(cfg, ratio, gkv, tail, x, start, n_valid)
+    S = x.shape[1]
+    start, n_valid = start.astype(jnp.int32), n_valid.astype(jnp.int32)
+    positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [B, S]
+    valid = jnp.arange(S)[None, :] < n_valid[:, None]  # [B, S]
+    x = jnp.where(valid[..., None], x.astype(jnp.float32), 0.0)  # padding reaches no value
+    kv = x @ params["wkv"]  # [B, S, D]
+    if ratio == 1:
+        entry, complete, latent = positions, valid, kv  # [B, S], [B, S], [B, S, D]
+    else:
+        gate = x @ params["wgate"]  # [B, S, D]
+        entry, complete, latent = _pool(tail, kv, gate, start, n_valid, ratio)
+        end = start + n_valid
+        tail = CompressorTail(kv=cache.ring_scatter(tail.kv, positions, kv, valid, end),
+                              gate=cache.ring_scatter(tail.gate, positions, gate, valid, end))
+    latent = rms_norm(latent, params["norm"], cfg.rms_norm_eps)
+    return _write_entries(cfg, params, ratio, gkv, latent, entry, complete, quantize), tail
+
+
+def _pool(tail: CompressorTail, kv: Array, gate: Array, start: Array, n_valid: Array,
+          ratio: int) -> tuple[Array, Array, Array]:
+    """Candidate entries of the chunk, which of them it completes, and their gated member sums."""
+    B, S, D = kv.shape
+    n = S // ratio + 1  # most entries a chunk of S tokens can complete
+    entry = start[:, None] // ratio + jnp.arange(n, dtype=jnp.int32)  # [B, n]
+    members = entry[..., None] * ratio + jnp.arange(ratio, dtype=jnp.int32)  # [B, n, r]
+    in_tail = (members < start[:, None, None])[..., None]  # [B, n, r, 1]
+    chunk_idx = jnp.clip(members - start[:, None, None], 0, S - 1)  # [B, n, r]
+    slot = members % tail.kv.shape[1]  # [B, n, r]
+
+    def take(values: Array, idx: Array) -> Array:
+        """values [B, N, D] at idx [B, n, r] → [B, n, r, D]."""
+        return jnp.take_along_axis(values, idx.reshape(B, -1, 1), axis=1).reshape(B, n, ratio, D)
+
+    kv_m = jnp.where(in_tail, take(tail.kv, slot), take(kv, chunk_idx))  # [B, n, r, D]
+    z_m = jnp.where(in_tail, take(tail.gate, slot), take(gate, chunk_idx))  # [B, n, r, D]
+    pooled = jnp.sum(jax.nn.softmax(z_m, axis=2) * kv_m, axis=2)  # [B, n, D]
+    complete = entry < ((start + n_valid) // ratio)[:, None]  # [B, n]
+    return entry, complete, pooled
+
+
+def _write_entries(cfg: ModelConfig, params: dict, ratio: int, gkv: GlobalKV, latent: Array,
+                   entry: Array, complete: Array, quantize: bool) -> GlobalKV:
+    """RoPE at each group's first position, encode (SPEC §8) and scatter the complete entries."""
+    freqs = rope_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+    pos = entry * ratio  # [B, n]
+    main = apply_rope(latent, pos, freqs)  # [B, n, D]
+    ikey = rms_norm(latent @ params["wik"], params["ik_norm"], cfg.rms_norm_eps)  # [B, n, Di]
+    ikey = apply_rope(ikey, pos, freqs)
+    packed = gkv.kv_scale is not None
+    kv, kv_scale = cache.encode(main, quant.MAIN, packed, quantize)
+    ik, ik_scale = cache.encode(ikey, quant.INDEX, packed, quantize)
+
+    def put(buf: Array | None, values: Array | None) -> Array | None:
+        """Masked per-row write of the complete entries."""
+        return None if buf is None else cache.scatter(buf, entry, values, complete)
+
+    return GlobalKV(kv=put(gkv.kv, kv), kv_scale=put(gkv.kv_scale, kv_scale),
+                    ikey=put(gkv.ikey, ik), ikey_scale=put(gkv.ikey_scale, ik_scale))
+
+
+def _check_ratio(ratio: int) -> None:
+    """A compressor pools ratio ≥ 1 tokens per entry (ratio-0 layers have none)."""
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+        raise ValueError(f"ratio={ratio!r}: a compressor needs an integer ratio ≥ 1 (ratio-0 layers have none)")
+
+
+def _check_inputs(cfg: ModelConfig, ratio: int, gkv: GlobalKV, tail: CompressorTail,
+                  x: Array, start: Array, n_valid: Array) -> None:
+    """Raise ValueError on inconsistent shapes at the public boundary (DESIGN §7)."""
+    _check_ratio(ratio)
+    if x.ndim != 3 or x.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"x.shape={x.shape}: expected [B, S, {cfg.hidden_size}] (batch, chunk, hidden_size)")
+    B = x.shape[0]
+    for name, value in (("start", start), ("n_valid", n_valid)):
+        if value.shape != (B,):
+            raise ValueError(f"{name}.shape={value.shape}: expected ({B},), one value per row of x")
+        if not jnp.issubdtype(value.dtype, jnp.integer):
+            raise ValueError(f"{name}.dtype={value.dtype}: pass integer (int32) positions")
+    if gkv.kv.shape[0] != B:
+        raise ValueError(f"gkv.kv.shape={gkv.kv.shape}: expected batch {B} (x.shape={x.shape})")
+    expected_tail = (B, tail_slots(cfg, ratio), cfg.head_dim)
+    if tail.kv.shape != expected_tail or tail.gate.shape != expected_tail:
+        raise ValueError(f"tail.kv.shape={tail.kv.shape}, tail.gate.shape={tail.gate.shape}: "
+                         f"expected {expected_tail} (batch, tail_slots(cfg, {ratio}), head_dim)")

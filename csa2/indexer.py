@@ -1,0 +1,122 @@
+"""The lightning indexer and hierarchical candidates of CSA2 (SPEC §5).
+
+    qI = FP4-fakequant(RoPE(W_iq q_lat → [Hi, Di]))      w = W_w x · Di^-0.5 · Hi^-0.5
+    score(t, i) = Σ_h w_h · relu(qI_h · ikey_i)           (float32), −inf where i is not visible
+
+- Full layers score every visible entry of the group's Indexer K and keep the top `index_topk`
+  (`full_topk`).
+- The candidate source also groups its scores into blocks of `candidate_block_size` entries,
+  block score = max over the block's visible entries, the newest block pinned (+inf), and keeps the
+  top `candidate_topk_blocks` blocks: the candidate pool (`candidate_pool`), a per-query routing object.
+- Reindex layers gather the pool's Indexer K first and score only those positions (`reindex_topk`),
+  so their work is bounded by the pool size, not by the number of entries N.
+
+Every selection goes through `select_topk`: the chosen ids sorted ascending, padded with −1 to a
+static width. Entry i is visible to a query at position t iff `i < (t + 1) // ratio` (SPEC §4).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from csa2 import cache, quant
+from csa2.config import ModelConfig
+from csa2.params import dense, linear
+from csa2.rope import apply_rope, rope_frequencies
+from csa2.state import GlobalKV
+
+Array = jax.Array
+
+_NO_ID = jnp.iinfo(jnp.int32).max  # sorts after every real id, replaced by −1
+# einsum of qI [B, S, Hi, Di] with the two key layouts of `index_scores`.
+_SCORE_EQUATIONS = {3: "bshd,bnd->bshn", 4: "bshd,bsnd->bshn"}
+
+
+def init_indexer_params(cfg: ModelConfig, key: Array) -> dict:
+    """Indexer query projection `wq [q_lora_rank, Hi·Di]` and head weights `ww [d, Hi]` (SPEC §5)."""
+    kq, kw = jax.random.split(key)
+    heads = cfg.index_n_heads * cfg.index_head_dim
+    return {"wq": dense(kq, (cfg.q_lora_rank, heads), cfg.initializer_range),
+            "ww": dense(kw, (cfg.hidden_size, cfg.index_n_heads), cfg.initializer_range)}
+
+
+def index_queries(cfg: ModelConfig, params: dict, x: Array, q_lat: Array, positions: Array, *,
+                  quantize: bool) -> tuple[Array, Array]:
+    """Indexer queries qI [B, S, Hi, Di] (RoPE'd, MXFP4 fake-quantized if `quantize`) and head weights w [B, S, Hi]."""
+    if q_lat.shape[-1] != cfg.q_lora_rank or x.shape[-1] != cfg.hidden_size or x.shape[:2] != q_lat.shape[:2]:
+        raise ValueError(f"index_queries: x.shape={x.shape}, q_lat.shape={q_lat.shape}; expected "
+                         f"[B, S, {cfg.hidden_size}] and [B, S, {cfg.q_lora_rank}] with the same B, S")
+    b, s = x.shape[:2]
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    q = linear(q_lat, params["wq"], cfg.dtype).reshape(b, s, hi, di)  # [B, S, Hi, Di]
+    freqs = rope_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+    q = apply_rope(q, positions[:, :, None], freqs)
+    if quantize:
+        q = quant.fake_quant(q, quant.INDEX)
+    w = linear(x, params["ww"], cfg.dtype) * (di**-0.5 * hi**-0.5)  # [B, S, Hi]
+    return q, w
+
+
+def index_scores(qI: Array, w: Array, keys: Array) -> Array:
+    """Σ_h w_h · relu(qI_h · k) in float32: keys [B, N, Di] → [B, S, N]; keys [B, S, P, Di] → [B, S, P]."""
+    if keys.ndim not in _SCORE_EQUATIONS:
+        raise ValueError(f"index_scores: keys.shape={keys.shape}; pass [B, N, Di] (shared by a row's queries) "
+                         "or [B, S, P, Di] (gathered per query)")
+    dots = jnp.einsum(_SCORE_EQUATIONS[keys.ndim], qI, keys, precision=lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)  # [B, S, Hi, N]
+    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), w.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST)  # [B, S, N]
+
+
+def visible_entries(positions: Array, ratio: int) -> Array:
+    """Number of Global entries a query at position t may read: (t + 1) // ratio (SPEC §4)."""
+    return ((positions + 1) // ratio).astype(jnp.int32)  # [B, S]
+
+
+def select_topk(scores: Array, valid: Array, k: int, ids: Array | None = None) -> Array:
+    """Top-min(k, n) valid columns by score, mapped through `ids`, sorted ascending and −1-padded to k."""
+    n = scores.shape[-1]
+    _, col = lax.top_k(jnp.where(valid, scores, -jnp.inf), min(k, n))  # [B, S, min(k, n)]
+    chosen = col if ids is None else jnp.take_along_axis(ids, col, axis=-1)
+    keep = jnp.take_along_axis(valid, col, axis=-1)
+    chosen = jnp.sort(jnp.where(keep, chosen, _NO_ID), axis=-1)
+    chosen = jnp.where(chosen == _NO_ID, -1, chosen).astype(jnp.int32)
+    return jnp.pad(chosen, [(0, 0)] * (chosen.ndim - 1) + [(0, k - chosen.shape[-1])], constant_values=-1)
+
+
+def full_topk(cfg: ModelConfig, qI: Array, w: Array, gkv: GlobalKV, positions: Array,
+              ratio: int) -> tuple[Array, Array]:
+    """Top-`index_topk` over all visible entries of the group's Indexer K, and the masked scores [B, S, N]."""
+    keys = cache.decode(gkv.ikey, gkv.ikey_scale, quant.INDEX)  # [B, N, Di]
+    n = keys.shape[1]
+    visible = jnp.arange(n) < visible_entries(positions, ratio)[..., None]  # [B, S, N]
+    scores = jnp.where(visible, index_scores(qI, w, keys), -jnp.inf)  # [B, S, N]
+    return select_topk(scores, visible, cfg.index_topk), scores
+
+
+def candidate_pool(cfg: ModelConfig, scores: Array, positions: Array, ratio: int) -> Array:
+    """Entry ids of the top `candidate_topk_blocks` blocks (newest pinned), −1 where missing or not visible."""
+    b, s, n = scores.shape
+    size = cfg.candidate_block_size
+    blocks = -(-n // size)
+    vis = jnp.minimum(visible_entries(positions, ratio), n)[..., None]  # [B, S, 1]
+    padded = jnp.pad(scores, [(0, 0), (0, 0), (0, blocks * size - n)], constant_values=-jnp.inf)
+    # Only the newest block mixes visible and not-yet-visible entries, and it is pinned, so the
+    # plain max is the max over visible entries for every block that can be kept.
+    block_max = padded.reshape(b, s, blocks, size).max(-1)  # [B, S, blocks]
+    block = jnp.arange(blocks)
+    block_max = jnp.where(block == (vis - 1) // size, jnp.inf, block_max)  # newest block pinned
+    kept = select_topk(block_max, block * size < vis, cfg.candidate_topk_blocks)  # [B, S, Kb]
+    pool = kept[..., None] * size + jnp.arange(size)  # [B, S, Kb, size]
+    pool = jnp.where((kept[..., None] >= 0) & (pool < vis[..., None]), pool, -1)
+    return pool.reshape(b, s, cfg.candidate_pool_size)  # [B, S, P]
+
+
+def reindex_topk(cfg: ModelConfig, qI: Array, w: Array, gkv: GlobalKV, pool: Array, positions: Array,
+                 ratio: int) -> Array:
+    """Top-`index_topk` inside the candidate pool [B, S, P]: gather its Indexer K, then score only it."""
+    keys = cache.gather(gkv.ikey, gkv.ikey_scale, pool, quant.INDEX)  # [B, S, P, Di]
+    valid = (pool >= 0) & (pool < visible_entries(positions, ratio)[..., None])  # [B, S, P]
+    return select_topk(index_scores(qI, w, keys), valid, cfg.index_topk, ids=pool)
