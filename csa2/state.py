@@ -85,6 +85,7 @@ class State:
     """All per-request state of the model (DESIGN §2)."""
 
     length: Array  # [B] int32 committed tokens per row
+    floor: Array  # [B] int32 decoder SWA floor: replay prefill ran decoder layers only from here (SPEC §11)
     global_kv: tuple[GlobalKV, ...]  # one per KV source, in kv_source_layer_ids order
     swa: SwaRing
     tails: tuple[CompressorTail, ...]  # one per KV source (empty arrays for ratio-1 sources)
@@ -172,6 +173,7 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int, cache_format: str = 
     ring_lead = (cfg.num_hidden_layers, batch, ring_slots(cfg))
     return State(
         length=jnp.zeros((batch,), jnp.int32),
+        floor=jnp.zeros((batch,), jnp.int32),
         global_kv=tuple(global_kv),
         swa=SwaRing(kv=_entries(ring_lead, window[0]), scale=maybe(ring_lead, window[1])),
         tails=tuple(tails),
@@ -200,6 +202,7 @@ def state_bytes(state: State) -> dict[str, int]:
         "tokens": _nbytes(state.tokens),
         "accept": _nbytes(state.accept),
         "length": _nbytes(state.length),
+        "floor": _nbytes(state.floor),
     }
     parts["total"] = sum(parts.values())
     return parts

@@ -229,3 +229,19 @@ def test_validate_chunk_rejects(bad, message):
         attn.validate_chunk(CFG, args["x"], chunk, CAP)
     good = Chunk(start=_vec(0, 0), n_valid=_vec(4, 4), floor=_vec(0, 0))
     attn.validate_chunk(CFG, jnp.zeros((B, 4, CFG.hidden_size)), good, CAP)
+
+
+def test_replay_floor_hides_older_window_entries(params):
+    """With floor = chunk start, ring contents from before the chunk are never read (SPEC §11)."""
+    x = _inputs(9, 6)
+    state = init_state(CFG, B, CAP, "float")
+    garbage = state.swa.replace(kv=jax.random.normal(jax.random.PRNGKey(4), state.swa.kv.shape))
+    start = _vec(20, 33)
+    outs = {}
+    for name, swa in (("zeros", state.swa), ("garbage", garbage)):
+        for floor in (start, _vec(0, 0)):
+            o, _ = run_stack(CFG, params, state.replace(swa=swa), x, start, _vec(6, 6), floor, quantize=False)
+            outs[name, int(floor[0])] = o
+    layer0 = slice(0, 1)  # the SWA layer: its output depends on the window alone
+    np.testing.assert_array_equal(outs["zeros", 20][layer0], outs["garbage", 20][layer0])
+    assert not np.allclose(outs["zeros", 0][layer0], outs["garbage", 0][layer0])

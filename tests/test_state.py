@@ -47,6 +47,7 @@ def expected_state(name, B, C, fmt):
         tails.append(CompressorTail(kv=sds((B, t, D), F32), gate=sds((B, t, D), F32)))
     return State(
         length=sds((B,), I32),
+        floor=sds((B,), I32),
         global_kv=tuple(global_kv),
         swa=SwaRing(kv=sds((L, B, slots, D), E4M3 if packed else F32),
                     scale=sds((L, B, slots, D // 32), E8M0) if packed else None),
@@ -182,6 +183,7 @@ def test_v41_flash_global_kv_at_1m_is_exact():
     assert parts["tokens"] == 1 * 8 * 4
     assert parts["accept"] == 1 * 5 * 4 + 1 * 4
     assert parts["length"] == 4
+    assert parts["floor"] == 4
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
 
 

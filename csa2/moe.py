@@ -1,0 +1,125 @@
+"""Mixture of experts of every layer (SPEC §9): sqrtsoftplus router, top-k routed SwiGLU experts, a shared expert.
+
+- Router (float32): `s = sqrt(softplus(x·W_r / gate_temp))`; the experts are the top-k of `s + bias`
+  (`bias_vl` for image tokens); the correction bias only selects: `w = s[idx] / (Σ s[idx] + 1e-20) · rsf`.
+- Expert: `g = min(x·W1, L)`, `u = clip(x·W3, −L, L)`, `W2(silu(g)·u)` with L = `swiglu_limit`; the clamps
+  and SwiGLU are float32. As in V4.1 the routing weight scales the hidden `silu(g)·u` before `W2`
+  (V4 scales after `W2`; the same math, rounded differently in bfloat16).
+- Dispatch: "dense" gathers each token's k experts (reference); "ragged" sorts the (token, slot) pairs by
+  expert and runs `jax.lax.ragged_dot` over the expert groups. Both sum the k slots in the same order.
+- Aux-loss-free balancing: `bias_update` moves the correction bias against the measured load, outside the
+  optimizer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from csa2.config import ModelConfig
+from csa2.params import dense, linear
+
+Array = jax.Array
+
+_DISPATCH = ("dense", "ragged")
+
+
+def init_moe_params(cfg: ModelConfig, key: Array) -> dict:
+    """Router `[d, E]`, zero correction biases `[E]`, routed experts `[E, d, I]`/`[E, I, d]`, shared expert."""
+    d, e, i, std = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.initializer_range
+    k = jax.random.split(key, 7)
+    params = {
+        "router": dense(k[0], (d, e), std),
+        "bias": jnp.zeros((e,), jnp.float32),
+        "bias_vl": jnp.zeros((e,), jnp.float32),
+        "w1": dense(k[1], (e, d, i), std), "w3": dense(k[2], (e, d, i), std), "w2": dense(k[3], (e, i, d), std),
+    }
+    if cfg.n_shared_experts:
+        params["shared"] = {"w1": dense(k[4], (d, i), std), "w3": dense(k[5], (d, i), std),
+                            "w2": dense(k[6], (i, d), std)}
+    return params
+
+
+def _check(cfg: ModelConfig, x: Array, image_mask: Array | None) -> None:
+    """Raise ValueError on inputs that do not fit `cfg` (DESIGN §7)."""
+    if x.ndim < 1 or x.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"x.shape={tuple(x.shape)}: the last axis must be hidden_size={cfg.hidden_size}; "
+                         "pass hidden states [..., hidden_size]")
+    if image_mask is not None and tuple(image_mask.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"image_mask.shape={tuple(image_mask.shape)}: must equal x.shape[:-1]={tuple(x.shape[:-1])} "
+                         "(one flag per token), or pass image_mask=None for text only")
+
+
+def route(cfg: ModelConfig, params: dict, x: Array, image_mask: Array | None = None) -> tuple[Array, Array, Array]:
+    """Routing weights `[T, k]` f32, experts `[T, k]` int32 and scores `s` `[T, E]` f32 of the flattened tokens."""
+    _check(cfg, x, image_mask)
+    x = x.reshape(-1, cfg.hidden_size).astype(jnp.float32)
+    logits = jnp.matmul(x, params["router"].astype(jnp.float32), preferred_element_type=jnp.float32)
+    scores = jnp.sqrt(jax.nn.softplus(logits / cfg.gate_temp))  # [T, E]
+    bias = params["bias"]
+    if image_mask is not None:
+        bias = jnp.where(image_mask.reshape(-1, 1).astype(bool), params["bias_vl"], bias)
+    _, experts = jax.lax.top_k(scores + bias, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+    return weights, experts.astype(jnp.int32), scores
+
+
+def _swiglu(g: Array, u: Array, limit: float) -> Array:
+    """`silu(min(g, L)) · clip(u, ±L)` in float32 (SPEC §9: gate clamped from above only)."""
+    return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
+
+
+def _dense_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, experts: Array) -> Array:
+    """Reference dispatch: each token gathers its k experts' weights. `[T, d]` → `[T, k, d]` float32."""
+    dt = cfg.dtype
+    xd = x.astype(dt)
+    g = jnp.einsum("td,tkdi->tki", xd, params["w1"][experts].astype(dt), preferred_element_type=jnp.float32)
+    u = jnp.einsum("td,tkdi->tki", xd, params["w3"][experts].astype(dt), preferred_element_type=jnp.float32)
+    h = _swiglu(g, u, cfg.swiglu_limit) * weights[..., None]
+    return jnp.einsum("tki,tkid->tkd", h.astype(dt), params["w2"][experts].astype(dt),
+                      preferred_element_type=jnp.float32)
+
+
+def _ragged_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, experts: Array) -> Array:
+    """Grouped dispatch: sort the T·k pairs by expert, `ragged_dot` per group, unsort. → `[T, k, d]` float32."""
+    t, k = experts.shape
+    dt = cfg.dtype
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pair p = token p // k, slot p % k
+    sizes = jnp.bincount(flat, length=cfg.n_routed_experts).astype(jnp.int32)
+    xs = x[order // k].astype(dt)  # [T·k, d], grouped by expert
+
+    def grouped(lhs: Array, w: Array) -> Array:
+        return jax.lax.ragged_dot(lhs, w.astype(dt), sizes, preferred_element_type=jnp.float32)
+
+    h = _swiglu(grouped(xs, params["w1"]), grouped(xs, params["w3"]), cfg.swiglu_limit)
+    h = h * weights.reshape(-1)[order][:, None]
+    out = grouped(h.astype(dt), params["w2"])  # [T·k, d]
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    return out[inverse].reshape(t, k, -1)
+
+
+def moe(cfg: ModelConfig, params: dict, x: Array, *, image_mask: Array | None = None,
+        dispatch: str = "ragged") -> tuple[Array, Array]:
+    """The MoE output (same shape as `x`, float32) and the load `[E]`: each expert's share of the T·k assignments."""
+    if dispatch not in _DISPATCH:
+        raise ValueError(f"dispatch={dispatch!r}: use one of {_DISPATCH}")
+    weights, experts, _ = route(cfg, params, x, image_mask)
+    flat = x.reshape(-1, cfg.hidden_size)
+    routed = (_dense_experts if dispatch == "dense" else _ragged_experts)(cfg, params, flat, weights, experts)
+    y = jnp.sum(routed, axis=1)  # [T, d]
+    if cfg.n_shared_experts:
+        sp = params["shared"]
+        h = _swiglu(linear(flat, sp["w1"], cfg.dtype), linear(flat, sp["w3"], cfg.dtype), cfg.swiglu_limit)
+        y = y + linear(h, sp["w2"], cfg.dtype)
+    load = jnp.bincount(experts.reshape(-1), length=cfg.n_routed_experts) / experts.size
+    return y.reshape(x.shape), load.astype(jnp.float32)
+
+
+def bias_update(bias: Array, load: Array, rate: float) -> Array:
+    """Aux-loss-free balancing (SPEC §9): `bias + rate · sign(mean(load) − load)`, under-loaded experts rise."""
+    if tuple(bias.shape) != tuple(load.shape):
+        raise ValueError(f"load.shape={tuple(load.shape)}: must equal bias.shape={tuple(bias.shape)} "
+                         "(one load per expert, as returned by moe)")
+    return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)

@@ -1,0 +1,270 @@
+"""Byte-level data for the tiny presets: tokenizer, built-in corpus, packed batches, long-context tasks.
+
+Tokens are bytes: ids 0..255 are the UTF-8 bytes of the text, then BOS, EOS, PAD
+(`csa2.config`, vocabulary of 259). Everything here is numpy and deterministic:
+
+- **Corpus** (`load_corpus`): the text of CPython's `pydoc_data.topics` (in every Python install,
+  so nothing is downloaded). Topics are sorted by key and a text equal to an earlier one is dropped
+  (some topics are aliases, e.g. `else`/`if`); document i (0-based, in that order) goes to
+  validation when `i % 10 == 0`, otherwise to training, so the two splits share no document by
+  construction (about 6% of the bytes on CPython 3.11). Each split is the concatenation of
+  `[BOS] + utf8(text)` over its documents: BOS separates documents and no EOS is inserted. The
+  bytes depend on the Python version.
+- **Training batches** (`batches`): random windows of `seq_len + 1` tokens from the stream; the
+  batch at step k is a pure function of (seed, k), so the data position of a run is its step and
+  resuming with `start_step=k` is bit-identical to an uninterrupted run.
+- **Evaluation batches** (`eval_batches`): the stream cut in order into windows that predict every
+  token after the first exactly once, padded with PAD and masked out at the tail.
+- **Long-context tasks** (`passkey_example`, `multi_needle_example`): filler text with needles at
+  chosen relative depths, for the replay-window and Top-K experiments.
+
+Bad arguments raise `ValueError` naming the field, the value and the fix (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from csa2.config import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID
+
+VALID_EVERY = 10  # document i (distinct topic texts, sorted by key) is validation iff i % VALID_EVERY == 0
+
+_FILLER = ("The grass is green. The sky is blue. The sun is yellow. "
+           "Here we go. There and back again. ")
+_NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
+          "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu")
+
+
+def _fail(field: str, value: object, fix: str) -> None:
+    """Raise the DESIGN §7 error: field, value, fix."""
+    raise ValueError(f"{field}={value!r}: {fix}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def encode_bytes(data: bytes, *, bos: bool = True, eos: bool = False) -> np.ndarray:
+    """Raw bytes → int32 ids 0..255, optionally framed by BOS / EOS; any bytes are accepted."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        _fail("data", type(data).__name__, "pass bytes (use encode() for str)")
+    body = np.frombuffer(bytes(data), dtype=np.uint8).astype(np.int32)
+    head = np.array([BOS_ID] if bos else [], np.int32)
+    tail = np.array([EOS_ID] if eos else [], np.int32)
+    return np.concatenate([head, body, tail])
+
+
+def encode(text: str, *, bos: bool = True, eos: bool = False) -> np.ndarray:
+    """Text → int32 ids of its UTF-8 bytes, optionally framed by BOS / EOS."""
+    if not isinstance(text, str):
+        _fail("text", type(text).__name__, "pass str (use encode_bytes() for bytes)")
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        _fail("text", text[e.start:e.end],
+              f"character at index {e.start} has no UTF-8 encoding ({e.reason}); remove it")
+    return encode_bytes(data, bos=bos, eos=eos)
+
+
+def decode(ids) -> str:
+    """Ids → text: stops at the first EOS, skips BOS and PAD, replaces invalid UTF-8 with U+FFFD."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        _fail("ids", f"array of shape {ids.shape} and dtype {ids.dtype}", "pass a 1-D sequence of integer token ids")
+    bad = (ids < 0) | (ids >= BYTE_VOCAB_SIZE)
+    if bad.any():
+        _fail("ids", int(ids[bad][0]), f"token ids must lie in [0, {BYTE_VOCAB_SIZE}); check the model's vocab_size")
+    eos = np.flatnonzero(ids == EOS_ID)
+    if eos.size:
+        ids = ids[: eos[0]]
+    return bytes(ids[ids < 256].astype(np.uint8)).decode("utf-8", errors="replace")
+
+
+def validate_utf8(data: bytes, *, field: str = "prompt") -> str:
+    """Decode `data` as strict UTF-8 (e.g. a CLI prompt read as bytes), or raise ValueError saying where it fails."""
+    data = bytes(data)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _fail(field, data[e.start:e.end],
+              f"byte at offset {e.start} is not valid UTF-8 ({e.reason}); re-encode the input as UTF-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus
+
+
+class Corpus(NamedTuple):
+    """Byte-id streams [N] int32 of the built-in corpus; documents start with BOS."""
+
+    train: np.ndarray
+    valid: np.ndarray
+
+
+def load_corpus() -> Corpus:
+    """CPython's `pydoc_data.topics`, distinct texts sorted by key; documents 0, 10, 20, … are validation."""
+    from pydoc_data.topics import topics
+
+    documents = list(dict.fromkeys(topics[key] for key in sorted(topics)))  # drop repeated texts (aliases)
+    train: list[np.ndarray] = []
+    valid: list[np.ndarray] = []
+    for i, text in enumerate(documents):
+        (valid if i % VALID_EVERY == 0 else train).append(encode(text, bos=True))
+    return Corpus(train=np.concatenate(train), valid=np.concatenate(valid))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def _check_positive(field: str, value: object) -> None:
+    """A positive Python/numpy int, or ValueError."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        _fail(field, value, "must be a positive integer")
+
+
+def _check_tokens(tokens, min_len: int, fix: str) -> np.ndarray:
+    """A 1-D int32 stream of at least `min_len` ids inside the byte vocabulary, or ValueError."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        _fail("tokens", f"array of shape {arr.shape} and dtype {arr.dtype}", "pass a 1-D integer token stream")
+    if arr.size < min_len:
+        _fail("tokens", f"stream of {arr.size} tokens", f"needs at least {min_len} tokens; {fix}")
+    bad = (arr < 0) | (arr >= BYTE_VOCAB_SIZE)
+    if bad.any():
+        _fail("tokens", int(arr[bad][0]), f"token ids must lie in [0, {BYTE_VOCAB_SIZE})")
+    return arr.astype(np.int32)
+
+
+def batches(tokens, batch_size: int, seq_len: int, *, seed: int,
+            start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Infinite (inputs [B, L], targets [B, L]) int32 random windows; step k depends only on (seed, k)."""
+    _check_positive("batch_size", batch_size)
+    _check_positive("seq_len", seq_len)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        _fail("seed", seed, "must be a non-negative integer")
+    if not isinstance(start_step, (int, np.integer)) or isinstance(start_step, bool) or start_step < 0:
+        _fail("start_step", start_step, "must be a non-negative integer (the saved data position)")
+    arr = _check_tokens(tokens, seq_len + 1, "a window is seq_len + 1 tokens, lower seq_len")
+    offsets = np.arange(seq_len + 1)
+    step = int(start_step)
+    while True:
+        rng = np.random.default_rng([int(seed), step])
+        starts = rng.integers(0, arr.size - seq_len, size=batch_size)  # window [s, s + L] fits
+        windows = arr[starts[:, None] + offsets]  # [B, L + 1]
+        yield windows[:, :-1], windows[:, 1:]
+        step += 1
+
+
+def eval_batches(tokens, batch_size: int,
+                 seq_len: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(inputs, targets [B, L] int32, mask [B, L] float32) covering every next-token target once, in order.
+
+    Window j predicts tokens[jL + 1 : (j+1)L + 1] from tokens[jL : (j+1)L]; the tail of the last
+    window and whole rows past the end are PAD with mask 0, so every batch has the same shape.
+    """
+    _check_positive("batch_size", batch_size)
+    _check_positive("seq_len", seq_len)
+    arr = _check_tokens(tokens, 2, "pass a stream with at least one next-token target")
+    n_targets = arr.size - 1
+    n_windows = -(-n_targets // seq_len)
+    n_batches = -(-n_windows // batch_size)
+    total = n_batches * batch_size * seq_len
+    inputs = np.full(total, PAD_ID, np.int32)
+    targets = np.full(total, PAD_ID, np.int32)
+    mask = np.zeros(total, np.float32)
+    inputs[:n_targets] = arr[:-1]
+    targets[:n_targets] = arr[1:]
+    mask[:n_targets] = 1.0
+    shape = (n_batches, batch_size, seq_len)
+    yield from zip(inputs.reshape(shape), targets.reshape(shape), mask.reshape(shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic long-context tasks
+
+
+def _check_rng(rng) -> None:
+    """A numpy Generator, or ValueError."""
+    if not isinstance(rng, np.random.Generator):
+        _fail("rng", type(rng).__name__, "pass a numpy Generator, e.g. np.random.default_rng(seed)")
+
+
+def _check_depth(field: str, depth) -> float:
+    """A relative depth in [0, 1], or ValueError."""
+    if not isinstance(depth, (int, float, np.integer, np.floating)) or not 0.0 <= float(depth) <= 1.0:
+        _fail(field, depth, "must be a relative depth in [0, 1] (0 = start of the filler, 1 = end)")
+    return float(depth)
+
+
+def _digits(rng: np.random.Generator, n: int) -> str:
+    """A random n-digit decimal string without a leading zero."""
+    return str(rng.integers(1, 10)) + "".join(str(d) for d in rng.integers(0, 10, size=n - 1))
+
+
+def _haystack(length: int, needles: Sequence[tuple[float, str]], question: str) -> np.ndarray:
+    """[BOS] + filler with each (depth, needle) inserted at that relative depth + question: `length` ids.
+
+    The filler is the tail of a repeated text, so it ends on a sentence; each needle goes to the
+    sentence start nearest its depth (a shift of at most half a sentence), never inside a word.
+    """
+    fixed = 1 + sum(len(text) for _, text in needles) + len(question)  # ASCII: bytes == chars
+    n_filler = length - fixed
+    if n_filler < 0:
+        _fail("length", length, f"needs at least {fixed} tokens for the needles and the question; raise length")
+    repeated = _FILLER * (n_filler // len(_FILLER) + 1)
+    filler = repeated[len(repeated) - n_filler:]
+    starts = np.array(sorted({0, n_filler, *(m.end() for m in re.finditer(r"\. ", filler))}))
+    parts, cut = [], 0
+    for depth, text in sorted(needles, key=lambda dn: dn[0]):
+        at = int(starts[np.argmin(np.abs(starts - depth * n_filler))])
+        parts += [filler[cut:at], text]
+        cut = at
+    parts += [filler[cut:], question]
+    return encode("".join(parts), bos=True)
+
+
+def passkey_example(rng: np.random.Generator, length: int, depth: float, *,
+                    digits: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """Pass-key retrieval: (prompt [length] int32, answer [digits] int32); the needle sits at relative `depth`.
+
+    The prompt is BOS, filler with "The pass key is NNNNN. Remember it. " inserted at `depth`, then
+    "What is the pass key? The pass key is " (trailing space), so the answer is exactly the digits.
+    """
+    _check_rng(rng)
+    _check_positive("length", length)
+    depth = _check_depth("depth", depth)
+    _check_positive("digits", digits)
+    key = _digits(rng, digits)
+    needle = f"The pass key is {key}. Remember it. "
+    prompt = _haystack(length, [(depth, needle)], "What is the pass key? The pass key is ")
+    return prompt, encode(key, bos=False)
+
+
+def multi_needle_example(rng: np.random.Generator, length: int, n_keys: int, depths: Sequence[float], *,
+                         digits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Multi-key retrieval: needles "The key for <name> is NNNN. " at `depths`; one, drawn by rng, is queried.
+
+    Returns (prompt [length] int32, answer [digits] int32); names are distinct, the prompt ends
+    with "What is the key for <name>? The key for <name> is " (trailing space).
+    """
+    _check_rng(rng)
+    _check_positive("length", length)
+    _check_positive("n_keys", n_keys)
+    if n_keys > len(_NAMES):
+        _fail("n_keys", n_keys, f"at most {len(_NAMES)} distinct names are available; lower n_keys")
+    depths = list(depths)
+    if len(depths) != n_keys:
+        _fail("depths", depths, f"needs one depth per key: {n_keys} values")
+    depths = [_check_depth(f"depths[{i}]", d) for i, d in enumerate(depths)]
+    _check_positive("digits", digits)
+    names = [_NAMES[i] for i in rng.choice(len(_NAMES), size=n_keys, replace=False)]
+    values = [_digits(rng, digits) for _ in range(n_keys)]
+    q = int(rng.integers(n_keys))
+    needles = [(d, f"The key for {name} is {value}. ") for d, name, value in zip(depths, names, values)]
+    question = f"What is the key for {names[q]}? The key for {names[q]} is "
+    return _haystack(length, needles, question), encode(values[q], bos=False)
