@@ -20,8 +20,8 @@ test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest tests
 
 demo: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset tiny --context 4096
 	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset v41_flash --context 1048576
+	JAX_PLATFORMS=cpu $(PY) -m infer.demo
 
 clean:
 	rm -rf $(VENV)

@@ -8,6 +8,11 @@ sink in the denominator (SPEC §3).
 
 Index sources publish their top-k (and the candidate source its pool) on the `Bus`, which the
 model threads through the layers in order; a Reuse layer reads the latest top-k.
+
+`cfg.kernel_impl == "pallas"` runs the core attention in `pallas_kernels.ops.sparse_attention`,
+which gathers and dequantizes the selected ring / Main KV rows itself (DESIGN §4); the jnp
+gather + `sink_attention` below is the "xla" path and its oracle. The indexer loss (SPEC §13,
+training only) needs the gathered keys, so a call with `index_loss` always takes the jnp path.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import numpy as np
 from csa2 import cache, quant
 from csa2.compressor import init_compressor_params
 from csa2.config import ModelConfig
-from csa2.indexer import candidate_pool, full_topk, index_queries, init_indexer_params, reindex_topk
+from csa2 import index_loss as index_loss_lib
+from csa2.indexer import (candidate_pool, full_topk, index_queries, index_scores, init_indexer_params, reindex_topk,
+                          uses_pallas, visible_entries)
 from csa2.layout import LayerSpec
 from csa2.norm import rms_norm
 from csa2.params import dense, linear, ones
 from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import GlobalKV
+from pallas_kernels import ops
 
 Array = jax.Array
 
@@ -160,14 +168,16 @@ def attention(
     bus: Bus,
     *,
     quantize: bool = True,
-) -> tuple[Array, tuple[Array, Array | None], Bus]:
+    index_loss: str | None = None,
+) -> tuple[Array, tuple[Array, Array | None], Bus, Array]:
     """One sublayer on a chunk. x [B, S, d] is the normed collapsed residual.
 
     `ring` is this layer's (SWA kv, scales) `[B, slots, ...]`; `gkv` is the group's Global KV,
     already holding the entries this chunk completes (a Full layer's caller runs
     `compressor.compress` first, on this chunk or, under replay, on every prompt position).
-    Returns the output [B, S, d], the updated ring and the bus. `quantize=False` (float cache
-    only) skips every fake-quant.
+    Returns the output [B, S, d], the updated ring, the bus and the indexer KL loss of SPEC §13
+    (an index source with `index_loss` "sparse" or "dense"; 0 otherwise). `quantize=False`
+    (float cache only) skips every fake-quant.
     """
     b, s, _ = x.shape
     packed = ring[1] is not None
@@ -185,28 +195,65 @@ def attention(
     slots = ring[0].shape[1]
     pos, ids = window_ids(positions, chunk.start, cfg.sliding_window, slots)
     source = [jnp.concatenate([r, c], axis=1) if r is not None else None for r, c in zip(ring, swa)]
-    keys = [cache.gather(source[0], source[1], ids, quant.WINDOW)]  # [B, S, W, D]
-    valid = [pos >= jnp.maximum(chunk.floor, 0)[:, None, None]]
+    in_window = pos >= jnp.maximum(chunk.floor, 0)[:, None, None]  # [B, S, W]
 
     # Global entries selected by this group's indexer (SPEC §5).
-    if spec.role != "swa":
-        if spec.role in ("full", "reindex"):
-            q_index, w_index = index_queries(cfg, params["indexer"], x, q_lat, positions, quantize=quantize)
-            if spec.uses_candidates:
-                topk = reindex_topk(cfg, q_index, w_index, gkv, bus.candidates, positions, spec.ratio)
-            else:
-                topk, scores = full_topk(cfg, q_index, w_index, gkv, positions, spec.ratio)
-                if spec.is_candidate_source:
-                    bus = bus.replace(candidates=candidate_pool(cfg, scores, positions, spec.ratio))
-            bus = bus.replace(topk=topk)
-        keys.append(cache.gather(gkv.kv, gkv.kv_scale, bus.topk, quant.MAIN))  # [B, S, K, D]
-        valid.append(bus.topk >= 0)
+    if spec.role in ("full", "reindex"):
+        # The indexer only feeds top-k and its own loss: detach its inputs from the main graph (SPEC §13).
+        q_index, w_index = index_queries(cfg, params["indexer"], jax.lax.stop_gradient(x),
+                                         jax.lax.stop_gradient(q_lat), positions, quantize=quantize)
+        if spec.uses_candidates:
+            topk = reindex_topk(cfg, q_index, w_index, gkv, bus.candidates, positions, spec.ratio)
+        else:
+            topk, scores = full_topk(cfg, q_index, w_index, gkv, positions, spec.ratio)
+            if spec.is_candidate_source:
+                bus = bus.replace(candidates=candidate_pool(cfg, scores, positions, spec.ratio))
+        bus = bus.replace(topk=topk)
 
-    o = sink_attention(q, jnp.concatenate(keys, axis=2), jnp.concatenate(valid, axis=2), params["sink"])
+    # Core attention: the W window rows and the selected Global entries in one sink softmax (SPEC §3).
+    kl = jnp.zeros((), jnp.float32)
+    if uses_pallas(cfg) and index_loss is None:  # the kernel gathers and dequantizes the rows itself
+        main = (gkv.kv, gkv.kv_scale, bus.topk) if spec.role != "swa" else _no_entries(q)
+        o = ops.sparse_attention(q, params["sink"], *main, *source, jnp.where(in_window, ids, -1), impl="pallas")
+    else:
+        keys = [cache.gather(source[0], source[1], ids, quant.WINDOW)]  # [B, S, W, D]
+        valid = [in_window]
+        if spec.role != "swa":
+            keys.append(cache.gather(gkv.kv, gkv.kv_scale, bus.topk, quant.MAIN))  # [B, S, K, D]
+            valid.append(bus.topk >= 0)
+        keys, valid = jnp.concatenate(keys, axis=2), jnp.concatenate(valid, axis=2)
+        if index_loss is not None and spec.role in ("full", "reindex"):
+            kl = _index_loss(cfg, spec, index_loss, q, keys, valid, params["sink"], q_index, w_index, gkv, bus.topk,
+                             positions, valid_q)
+        o = sink_attention(q, keys, valid, params["sink"])
     o = apply_rope(o, positions[:, :, None], freqs, inverse=True)  # value carries RoPE (K = V)
     out = grouped_output(cfg, params, o)
 
     new_length = chunk.start + chunk.n_valid
     ring = tuple(None if r is None else cache.ring_scatter(r, positions, c, valid_q, new_length)
                  for r, c in zip(ring, swa))
-    return out, ring, bus
+    return out, ring, bus, kl
+
+
+def _no_entries(q: Array) -> tuple[Array, None, Array]:
+    """An empty Main KV source for an SWA-only layer: float rows [B, 0, D], no scales, ids [B, S, 0]."""
+    b, s, _, d = q.shape
+    return jnp.zeros((b, 0, d), jnp.float32), None, jnp.zeros((b, s, 0), jnp.int32)
+
+
+def _index_loss(cfg, spec, mode, q, keys, valid, sink, q_index, w_index, gkv, topk, positions, valid_q):
+    """SPEC §13 on this layer: main attention mass vs the indexer's scores, on the selected or visible set."""
+    if mode not in index_loss_lib.MODES:
+        raise ValueError(f"index_loss={mode!r}: use one of {index_loss_lib.MODES} or None")
+    w = cfg.sliding_window
+    if mode == "sparse":
+        probs = index_loss_lib.attention_probs(q, keys, valid, sink)[..., w:]  # [B, S, H, K]
+        ikeys = cache.gather(gkv.ikey, gkv.ikey_scale, topk, quant.INDEX)  # [B, S, K, Di]
+        return index_loss_lib.indexer_kl(probs, index_scores(q_index, w_index, ikeys), topk >= 0, valid_q)
+    every = cache.decode(gkv.kv, gkv.kv_scale, quant.MAIN)  # [B, N, D]
+    n = every.shape[1]
+    visible = jnp.arange(n) < visible_entries(positions, spec.ratio)[..., None]  # [B, S, N]
+    all_keys = jnp.concatenate([keys[:, :, :w], jnp.broadcast_to(every[:, None], (*q.shape[:2], *every.shape[1:]))], 2)
+    probs = index_loss_lib.attention_probs(q, all_keys, jnp.concatenate([valid[..., :w], visible], -1), sink)[..., w:]
+    scores = index_scores(q_index, w_index, cache.decode(gkv.ikey, gkv.ikey_scale, quant.INDEX))
+    return index_loss_lib.indexer_kl(probs, scores, visible, valid_q)

@@ -97,7 +97,8 @@ def _write_entries(cfg: ModelConfig, params: dict, ratio: int, gkv: GlobalKV, la
     freqs = rope_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
     pos = entry * ratio  # [B, n]
     main = apply_rope(latent, pos, freqs)  # [B, n, D]
-    ikey = rms_norm(latent @ params["wik"], params["ik_norm"], cfg.rms_norm_eps)  # [B, n, Di]
+    # Indexer K feeds only top-k and the indexer loss: detach the latent (SPEC §13).
+    ikey = rms_norm(jax.lax.stop_gradient(latent) @ params["wik"], params["ik_norm"], cfg.rms_norm_eps)  # [B, n, Di]
     ikey = apply_rope(ikey, pos, freqs)
     packed = gkv.kv_scale is not None
     kv, kv_scale = cache.encode(main, quant.MAIN, packed, quantize)

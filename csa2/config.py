@@ -161,6 +161,10 @@ def validate(cfg: ModelConfig) -> None:
         _fail("dtype", cfg.dtype, f"use one of {_DTYPES}")
     if cfg.kernel_impl not in _KERNEL_IMPLS:
         _fail("kernel_impl", cfg.kernel_impl, f"use one of {_KERNEL_IMPLS}")
+    block = cfg.candidate_block_size
+    if cfg.kernel_impl == "pallas" and block & (block - 1):
+        _fail("candidate_block_size", block, "the Pallas block-max kernel needs a power of two; use 4, 8, … "
+              "or kernel_impl='xla'")
     if cfg.scoring_func != "sqrtsoftplus":
         _fail("scoring_func", cfg.scoring_func, "V4.1 routes with 'sqrtsoftplus' (SPEC §9); no other router is implemented")
     for name in ("rms_norm_eps", "hc_eps", "gate_temp", "routed_scaling_factor", "swiglu_limit",
@@ -265,27 +269,34 @@ _TINY_DIMS = dict(
 )
 
 
+_MINI_SCHEDULE = dict(
+    num_hidden_layers=8,
+    compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1),
+    kv_source_layer_ids=(1, 4),
+    index_source_layer_ids=(1, 4, 6),
+    candidate_source_layer_id=4,
+    engram_layer_ids=(1,),
+    dspark_target_layer_ids=(5, 6, 7),
+)
+
+
 def preset(name: str) -> ModelConfig:
-    """A validated preset: `v41_flash` (released numbers), `tiny` (released schedule, tiny dims), `mini`."""
+    """A validated preset: `v41_flash` (released numbers), `tiny` (released schedule, tiny dims),
+    `mini` (8 layers with every role, for unit tests), `demo` (mini's schedule with a wider window
+    and top-k, trained by `make demo`)."""
     if name == "v41_flash":
         return ModelConfig()
     if name == "tiny":
         return ModelConfig(**_TINY_DIMS)
     if name == "mini":
-        return ModelConfig(**{
-            **_TINY_DIMS,
-            "num_hidden_layers": 8,
-            "compress_ratios": (0, 2, 2, 2, 1, 1, 1, 1),
-            "kv_source_layer_ids": (1, 4),
-            "index_source_layer_ids": (1, 4, 6),
-            "candidate_source_layer_id": 4,
-            "engram_layer_ids": (1,),
-            "dspark_target_layer_ids": (5, 6, 7),
-        })
+        return ModelConfig(**_TINY_DIMS, **_MINI_SCHEDULE)
+    if name == "demo":
+        return ModelConfig(**{**_TINY_DIMS, **_MINI_SCHEDULE, "sliding_window": 32, "index_topk": 32,
+                              "candidate_topk_blocks": 8, "candidate_block_size": 8})
     raise ValueError(f"preset: unknown name {name!r}; use one of {PRESETS}")
 
 
-PRESETS = ("v41_flash", "tiny", "mini")
+PRESETS = ("v41_flash", "tiny", "mini", "demo")
 
 
 # ---------------------------------------------------------------------------------------------

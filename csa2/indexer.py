@@ -13,6 +13,8 @@
 
 Every selection goes through `select_topk`: the chosen ids sorted ascending, padded with −1 to a
 static width. Entry i is visible to a query at position t iff `i < (t + 1) // ratio` (SPEC §4).
+With `cfg.kernel_impl == "pallas"` the scores come from the `pallas_kernels` ops, which read the
+packed Indexer K directly (DESIGN §4); the jnp code here is the "xla" path and their oracle.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from csa2.config import ModelConfig
 from csa2.params import dense, linear
 from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import GlobalKV
+from pallas_kernels import ops
 
 Array = jax.Array
 
@@ -70,6 +73,11 @@ def index_scores(qI: Array, w: Array, keys: Array) -> Array:
                       precision=lax.Precision.HIGHEST)  # [B, S, N]
 
 
+def uses_pallas(cfg: ModelConfig) -> bool:
+    """Whether the hot paths run through the Pallas kernels (`kernel_impl="pallas"`, DESIGN §4)."""
+    return cfg.kernel_impl == "pallas"
+
+
 def visible_entries(positions: Array, ratio: int) -> Array:
     """Number of Global entries a query at position t may read: (t + 1) // ratio (SPEC §4)."""
     return ((positions + 1) // ratio).astype(jnp.int32)  # [B, S]
@@ -89,10 +97,13 @@ def select_topk(scores: Array, valid: Array, k: int, ids: Array | None = None) -
 def full_topk(cfg: ModelConfig, qI: Array, w: Array, gkv: GlobalKV, positions: Array,
               ratio: int) -> tuple[Array, Array]:
     """Top-`index_topk` over all visible entries of the group's Indexer K, and the masked scores [B, S, N]."""
-    keys = cache.decode(gkv.ikey, gkv.ikey_scale, quant.INDEX)  # [B, N, Di]
-    n = keys.shape[1]
-    visible = jnp.arange(n) < visible_entries(positions, ratio)[..., None]  # [B, S, N]
-    scores = jnp.where(visible, index_scores(qI, w, keys), -jnp.inf)  # [B, S, N]
+    count = visible_entries(positions, ratio)  # [B, S]
+    visible = jnp.arange(gkv.ikey.shape[1]) < count[..., None]  # [B, S, N]
+    if uses_pallas(cfg):
+        scores = ops.indexer_scores(qI, w, gkv.ikey, gkv.ikey_scale, count, impl="pallas")  # [B, S, N], −inf masked
+    else:
+        keys = cache.decode(gkv.ikey, gkv.ikey_scale, quant.INDEX)  # [B, N, Di]
+        scores = jnp.where(visible, index_scores(qI, w, keys), -jnp.inf)  # [B, S, N]
     return select_topk(scores, visible, cfg.index_topk), scores
 
 
@@ -102,10 +113,9 @@ def candidate_pool(cfg: ModelConfig, scores: Array, positions: Array, ratio: int
     size = cfg.candidate_block_size
     blocks = -(-n // size)
     vis = jnp.minimum(visible_entries(positions, ratio), n)[..., None]  # [B, S, 1]
-    padded = jnp.pad(scores, [(0, 0), (0, 0), (0, blocks * size - n)], constant_values=-jnp.inf)
     # Only the newest block mixes visible and not-yet-visible entries, and it is pinned, so the
     # plain max is the max over visible entries for every block that can be kept.
-    block_max = padded.reshape(b, s, blocks, size).max(-1)  # [B, S, blocks]
+    block_max = ops.block_max(scores, size, impl=cfg.kernel_impl)  # [B, S, blocks]
     block = jnp.arange(blocks)
     block_max = jnp.where(block == (vis - 1) // size, jnp.inf, block_max)  # newest block pinned
     kept = select_topk(block_max, block * size < vis, cfg.candidate_topk_blocks)  # [B, S, Kb]
@@ -117,6 +127,10 @@ def candidate_pool(cfg: ModelConfig, scores: Array, positions: Array, ratio: int
 def reindex_topk(cfg: ModelConfig, qI: Array, w: Array, gkv: GlobalKV, pool: Array, positions: Array,
                  ratio: int) -> Array:
     """Top-`index_topk` inside the candidate pool [B, S, P]: gather its Indexer K, then score only it."""
-    keys = cache.gather(gkv.ikey, gkv.ikey_scale, pool, quant.INDEX)  # [B, S, P, Di]
-    valid = (pool >= 0) & (pool < visible_entries(positions, ratio)[..., None])  # [B, S, P]
-    return select_topk(index_scores(qI, w, keys), valid, cfg.index_topk, ids=pool)
+    count = visible_entries(positions, ratio)  # [B, S]
+    valid = (pool >= 0) & (pool < count[..., None])  # [B, S, P]
+    if uses_pallas(cfg):
+        scores = ops.indexer_scores_gathered(qI, w, gkv.ikey, gkv.ikey_scale, pool, count, impl="pallas")
+    else:
+        scores = index_scores(qI, w, cache.gather(gkv.ikey, gkv.ikey_scale, pool, quant.INDEX))  # keys [B, S, P, Di]
+    return select_topk(scores, valid, cfg.index_topk, ids=pool)

@@ -138,13 +138,12 @@ def init_params(cfg: ModelConfig, key: Array) -> dict:
     plan = layer_plan(cfg)
     k_embed, k_head, k_layers = jax.random.split(key, 3)
     keys = jax.random.split(k_layers, cfg.num_hidden_layers)
-    layers = []
-    for run in layer_runs(cfg):
-        per_layer = [_init_layer(cfg, plan[i], keys[i]) for i in range(run.first, run.first + run.count)]
-        layers.append(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per_layer))
+    # One vmapped init per run (layers of a run share their structure): a small trace, a fast compile.
+    layers = tuple(jax.vmap(functools.partial(_init_layer, cfg, plan[run.first]))(keys[run.first:run.first + run.count])
+                   for run in layer_runs(cfg))
     return {
         "embed": dense(k_embed, (cfg.vocab_size, cfg.hidden_size), cfg.initializer_range),
-        "layers": tuple(layers),
+        "layers": layers,
         "norm": ones(cfg.hidden_size),
         "head": dense(k_head, (cfg.hidden_size, cfg.vocab_size), cfg.initializer_range),
     }
@@ -190,7 +189,7 @@ def _site_input(cfg: ModelConfig, hc: dict, norm: Array, X: Array, pre_prev: Arr
 
 
 def _layer(cfg: ModelConfig, spec: LayerSpec, p: dict, streams: Streams, chunk: Chunk, ring, gkv, tail,
-           engram_rows: Array | None, quantize: bool, enter: Tail | None = None):
+           engram_rows: Array | None, quantize: bool, index_loss: str | None, enter: Tail | None = None):
     """One layer on a chunk. A Full layer compresses its own input first; at the replay split
     (`enter`) the compressor still sees every position and the rest continues on the tail."""
     X = streams.X
@@ -205,35 +204,38 @@ def _layer(cfg: ModelConfig, spec: LayerSpec, p: dict, streams: Streams, chunk: 
         X, x, pre, post, comb = (_take_rows(a, enter.rows) for a in (X, x, pre, post, comb))
         bus = Bus(topk=_take_rows(bus.topk, enter.rows), candidates=_take_rows(bus.candidates, enter.rows))
         chunk = enter.chunk
-    out, ring, bus = attention(cfg, spec, p["attn"], x, chunk, ring, gkv, bus, quantize=quantize)
+    out, ring, bus, kl = attention(cfg, spec, p["attn"], x, chunk, ring, gkv, bus, quantize=quantize,
+                                   index_loss=index_loss)
     X = mhc.update(X, out, post, comb)
     x, ffn_pre, post, comb = _site_input(cfg, p["ffn_hc"], p["ffn_norm"], X, pre)
     y, load = moe(cfg, p["moe"], x)
     X = mhc.update(X, y, post, comb)
-    return Streams(X, ffn_pre, bus), ring, gkv, tail, load
+    return Streams(X, ffn_pre, bus), ring, gkv, tail, (load, kl)
 
 
 def _scan_run(cfg: ModelConfig, run: Run, p: dict, streams: Streams, chunk: Chunk, ring, gkv, tail,
-              engram_rows, quantize: bool, enter: Tail | None):
+              engram_rows, quantize: bool, index_loss: str | None, enter: Tail | None):
     """`run.count` layers as one scanned body over their stacked params and rings [count, B, ...].
 
     The layer entering the replay tail changes the row count, so it runs unscanned (it stands alone).
     """
     if enter is not None:
         first = lambda x: None if x is None else x[0]  # noqa: E731
-        streams, ring, gkv, tail, load = _layer(cfg, run.spec, jax.tree_util.tree_map(first, p), streams, chunk,
-                                                tuple(map(first, ring)), gkv, tail, engram_rows, quantize, enter)
-        return streams, tuple(None if r is None else r[None] for r in ring), gkv, tail, load[None]
+        streams, ring, gkv, tail, aux = _layer(cfg, run.spec, jax.tree_util.tree_map(first, p), streams, chunk,
+                                               tuple(map(first, ring)), gkv, tail, engram_rows, quantize,
+                                               index_loss, enter)
+        return (streams, tuple(None if r is None else r[None] for r in ring), gkv, tail,
+                jax.tree_util.tree_map(lambda a: a[None], aux))
 
     def body(carry, xs):
         streams, gkv, tail = carry
         p_l, ring_l = xs
-        streams, ring_l, gkv, tail, load = _layer(cfg, run.spec, p_l, streams, chunk, ring_l, gkv, tail,
-                                                  engram_rows, quantize, enter)
-        return (streams, gkv, tail), (ring_l, load)
+        streams, ring_l, gkv, tail, aux = _layer(cfg, run.spec, p_l, streams, chunk, ring_l, gkv, tail,
+                                                 engram_rows, quantize, index_loss)
+        return (streams, gkv, tail), (ring_l, aux)
 
-    (streams, gkv, tail), (ring, load) = jax.lax.scan(body, (streams, gkv, tail), (p, ring))
-    return streams, ring, gkv, tail, load
+    (streams, gkv, tail), (ring, aux) = jax.lax.scan(body, (streams, gkv, tail), (p, ring))
+    return streams, ring, gkv, tail, aux
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +246,7 @@ class StackOut(NamedTuple):
     rows: Array  # [B, T] chunk rows of `streams`
     state: State
     load: Array  # [L, E] MoE load per layer
+    index_kl: Array  # [L] indexer KL loss per layer (SPEC §13; 0 where not computed)
     work: Array  # int32: token×layer count actually processed (instrumentation, SPEC §11)
 
 
@@ -256,7 +259,7 @@ def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Arr
 
 
 def _stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: Array,
-           replay: ReplayPolicy, quantize: bool) -> StackOut:
+           replay: ReplayPolicy, quantize: bool, index_loss: str | None = None) -> StackOut:
     """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real).
 
     Layers before the replay split run on all rows; from the split on, only the last
@@ -278,7 +281,7 @@ def _stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid:
     first = jnp.broadcast_to(mhc.first_pre(cfg.hc_mult), (b, s, cfg.hc_mult))
     streams = Streams(X, first, empty_bus(cfg, b, s))
     gkv, tails = list(state.global_kv), list(state.tails)
-    rings, loads, work = [], [], jnp.zeros((), jnp.int32)
+    rings, loads, kls, work = [], [], [], jnp.zeros((), jnp.int32)
     for run in _split_runs(cfg, split):
         spec = run.spec
         g = None if spec.kv_source is None else cfg.kv_source_layer_ids.index(spec.kv_source)
@@ -292,13 +295,14 @@ def _stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid:
                 engram_rows = _take_rows(engram_rows, tail.rows)
         layers = slice(run.first, run.first + run.count)
         ring = (state.swa.kv[layers], None if state.swa.scale is None else state.swa.scale[layers])
-        streams, ring, gkv_g, tail_g, load = _scan_run(
+        streams, ring, gkv_g, tail_g, (load, kl) = _scan_run(
             cfg, run, _run_params(cfg, params, run), streams, chunk if enter is not None else here, ring,
-            None if g is None else gkv[g], None if g is None else tails[g], engram_rows, quantize, enter)
+            None if g is None else gkv[g], None if g is None else tails[g], engram_rows, quantize, index_loss, enter)
         if g is not None:
             gkv[g], tails[g] = gkv_g, tail_g
         rings.append(ring)
         loads.append(load)
+        kls.append(kl)
         work = work + run.count * jnp.sum(here.n_valid)
     new_length = start + n_valid
     tokens_ring = state.tokens
@@ -308,7 +312,7 @@ def _stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid:
                             scale=None if state.swa.scale is None else jnp.concatenate([r[1] for r in rings]))
     new_state = state.replace(length=new_length, floor=floor, global_kv=tuple(gkv), tails=tuple(tails), swa=swa,
                               tokens=tokens_ring)
-    return StackOut(streams, rows, new_state, jnp.concatenate(loads), work)
+    return StackOut(streams, rows, new_state, jnp.concatenate(loads), jnp.concatenate(kls), work)
 
 
 def _logits(cfg: ModelConfig, params: dict, streams: Streams) -> Array:
@@ -430,20 +434,21 @@ def fork(state: State, rows: Array) -> State:
         swa=state.swa.replace(kv=state.swa.kv[:, rows], scale=None if state.swa.scale is None else state.swa.scale[:, rows]))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "qat", "replay"))
-def _forward(cfg, params, tokens, qat, replay):
+@functools.partial(jax.jit, static_argnames=("cfg", "qat", "replay", "index_loss"))
+def _forward(cfg, params, tokens, qat, replay, index_loss):
     b, s = tokens.shape
     granule = token_granule(cfg)
     state = init_state(cfg, b, -(-s // granule) * granule, "float")
-    out = _stack(cfg, params, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat)
-    return _logits(cfg, params, out.streams), {"load": out.load, "rows": out.rows}
+    out = _stack(cfg, params, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, index_loss=index_loss)
+    return _logits(cfg, params, out.streams), {"load": out.load, "index_kl": out.index_kl, "rows": out.rows}
 
 
 def forward(cfg: ModelConfig, params: dict, tokens: Array, *, qat: bool = False,
-            replay: ReplayPolicy = EXACT) -> tuple[Array, dict]:
+            replay: ReplayPolicy = EXACT, index_loss: str | None = None) -> tuple[Array, dict]:
     """Teacher-forced logits for training: `tokens [B, S]` → logits of the rows that reach the head
     `[B, T, V]` (T = S in exact mode; the decoder tail under `replay`), and aux outputs
-    (`load [L, E]` MoE loads for the balancing update, `rows [B, T]` chunk rows of the logits).
+    (`load [L, E]` MoE loads for the balancing update, `index_kl [L]` the indexer KL of SPEC §13 per
+    layer when `index_loss` is "sparse" or "dense", `rows [B, T]` chunk rows of the logits).
 
     `qat=True` runs the SPEC §8 fake-quant (straight-through) on Main KV, Indexer Q/K and window KV,
     exactly as inference stores them; `qat=False` is the float model.
@@ -452,4 +457,4 @@ def forward(cfg: ModelConfig, params: dict, tokens: Array, *, qat: bool = False,
     replay.validate(cfg)
     if tokens.ndim != 2:
         raise ValueError(f"tokens.shape={tokens.shape}: expected [B, S]")
-    return _forward(cfg, params, tokens, qat, replay)
+    return _forward(cfg, params, tokens, qat, replay, index_loss)

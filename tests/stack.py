@@ -32,7 +32,7 @@ def stack_step(cfg, params, state, h, start, n_valid, floor=None, *, quantize=Tr
         if spec.role == "full":
             gkv[g], tails[g] = compress(cfg, p["compressor"], spec.ratio, gkv[g], tails[g], x, start, n_valid,
                                         quantize=quantize)
-        out, ring, bus = attention(cfg, spec, p, x, chunk, ring, gkv[g] if g is not None else None, bus,
+        out, ring, bus, _ = attention(cfg, spec, p, x, chunk, ring, gkv[g] if g is not None else None, bus,
                                    quantize=quantize)
         ring_kv = ring_kv.at[i].set(ring[0])
         if ring_scale is not None:

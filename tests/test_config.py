@@ -58,7 +58,7 @@ def test_preset_constructs_and_is_hashable(name):
 
 
 def test_presets_set_is_complete():
-    assert set(PRESETS) == {"v41_flash", "tiny", "mini"}
+    assert set(PRESETS) == {"v41_flash", "tiny", "mini", "demo"}
 
 
 def test_list_fields_become_tuples_so_config_stays_hashable():
@@ -553,3 +553,10 @@ def test_from_hf_config_malformed_rope_scaling_is_a_value_error(rope_scaling):
     d["rope_scaling"] = rope_scaling
     with pytest.raises(ValueError, match="rope_scaling"):
         from_hf_config(d)
+
+
+def test_pallas_needs_a_power_of_two_candidate_block():
+    preset("mini").replace(kernel_impl="pallas")
+    preset("mini").replace(candidate_block_size=6, candidate_topk_blocks=8)  # fine for the XLA path
+    with pytest.raises(ValueError, match="candidate_block_size=6"):
+        preset("mini").replace(kernel_impl="pallas", candidate_block_size=6, candidate_topk_blocks=8)

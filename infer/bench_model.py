@@ -1,0 +1,371 @@
+"""`python -m infer.bench_model`: compile time, decode step time and the bounded-replay saving (SPEC §11, DESIGN §8).
+
+    python -m infer.bench_model [--config tiny] [--contexts 2048 8192] [--decode-contexts 512 2048]
+                                [--reps 3] [--decode-steps 20] [--decode-fill prefill|length] [--quick]
+
+Prints one JSON line per measurement; every line carries the machine and the config, so a line read
+alone says where it was measured. On a shared CPU absolute times are noisy, so what this script is
+for is the **ratios measured side by side in the same run**: bounded (`ReplayPolicy(window=128)`)
+vs exact prefill wall time, interleaved rep by rep, next to the token×layer work ratio that
+`prefill_with_work` reports (SPEC §11: `(20·N + 20·T) / (40·N)` for the released split).
+
+Measurements (batch 1, cache format fp4):
+- `compile`: lower and compile seconds of `_decode_step` (per state capacity) and `_prefill`
+  (per prompt length and replay policy), via `jit(...).lower(...).compile()`;
+- `decode`: median steady-state `decode_step` seconds at each decode context, the contexts
+  interleaved step by step, and their ratio;
+- `prefill_replay`: median bounded and exact prefill seconds at each prompt length (capacity = prompt
+  length), their ratio, and the work ratio.
+
+Before running a prefill the compiled executable's `memory_analysis()` is checked against the
+memory budget (`--mem-budget-gib`, default 24, and what the OS says is available); a context that
+does not fit (or fails) is reported in a JSON line and halved until it fits (`fallback` field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2 import model
+from csa2.config import PRESETS, preset
+from csa2.model import EXACT, ReplayPolicy
+from csa2.state import init_state, state_bytes, token_granule
+
+CACHE_FORMAT = "fp4"
+GIB = 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+def machine_info() -> dict:
+    """Where the numbers come from: platform, backend, CPUs, versions (repeated on every line)."""
+    import jaxlib
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count()
+    dev = jax.devices()[0]
+    return {
+        "platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
+        "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+        "device_count": jax.device_count(), "cpu_count": os.cpu_count(), "cpus_usable": usable,
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
+    }
+
+
+def config_info(name: str, cfg) -> dict:
+    return {"name": name, "layers": cfg.num_hidden_layers, "first_decoder_layer": cfg.first_decoder_layer,
+            "hidden_size": cfg.hidden_size, "dtype": cfg.dtype, "kernel_impl": cfg.kernel_impl,
+            "cache_format": CACHE_FORMAT, "batch": 1}
+
+
+class Reporter:
+    """Prints one JSON line per measurement with the machine, the config and the load at that moment."""
+
+    def __init__(self, machine: dict, config: dict):
+        self.machine, self.config = machine, config
+
+    def emit(self, bench: str, **fields) -> None:
+        line = {"bench": bench, **fields, "loadavg_1m": _loadavg(), "peak_rss_gib": _peak_rss_gib(),
+                "config": self.config, "machine": self.machine}
+        print(json.dumps(line), flush=True)
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _peak_rss_gib() -> float:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return round(kib / (1 << 20), 3)
+
+
+def _rss_gib() -> float:
+    """Current resident memory of this process (falls back to the peak off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return _peak_rss_gib()
+
+
+def _available_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return None
+
+
+def _log(msg: str) -> None:
+    print(f"[bench_model] {msg}", file=sys.stderr, flush=True)
+
+
+def _r(x: float, digits: int = 4) -> float:
+    return round(float(x), digits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+def _tokens(cfg, n: int, seed: int) -> jax.Array:
+    """`[1, n]` random byte-level token ids inside the vocabulary."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, min(cfg.vocab_size, 256), size=(1, n)), jnp.int32)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _compile(fn, *args):
+    """(compiled, lower seconds, compile seconds) of a jitted function; static args passed positionally."""
+    t0 = time.perf_counter()
+    lowered = fn.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    return compiled, t1 - t0, t2 - t1
+
+
+def _memory(compiled) -> dict | None:
+    """Bytes XLA plans for the executable (arguments, outputs, temporaries), when the backend says."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    if ma is None:
+        return None
+    return {"argument_gib": _r(ma.argument_size_in_bytes / GIB), "output_gib": _r(ma.output_size_in_bytes / GIB),
+            "temp_gib": _r(ma.temp_size_in_bytes / GIB)}
+
+
+def _timed(fn, *args) -> tuple[float, tuple]:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0, out
+
+
+def _policy_name(replay: ReplayPolicy) -> str:
+    return "exact" if replay.window is None else f"bounded_R{replay.window}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: compile time and steady-state step time
+
+def bench_decode(rep: Reporter, cfg, params, contexts: list[int], steps: int, warmup: int, fill: str,
+                 seed: int) -> None:
+    """Steady-state `decode_step` at each context (tokens already in the state), contexts interleaved."""
+    runs = []
+    for ctx in contexts:
+        cap = _round_up(ctx + warmup + steps, max(64, token_granule(cfg)))
+        state = init_state(cfg, 1, cap, CACHE_FORMAT)
+        if fill == "prefill":
+            # A real prompt of `ctx` tokens through the default (bounded) replay prefill.
+            prefill_c, lower_s, compile_s = _compile(model._prefill, cfg, params, state, _tokens(cfg, ctx, seed),
+                                                     jnp.full((1,), ctx, jnp.int32), ReplayPolicy())
+            rep.emit("compile", fn="prefill", context=ctx, capacity=cap, replay=_policy_name(ReplayPolicy()),
+                     lower_s=_r(lower_s, 3), compile_s=_r(compile_s, 3), purpose="fill decode state",
+                     memory=_memory(prefill_c))
+            _, state, _ = prefill_c(params, state, _tokens(cfg, ctx, seed), jnp.full((1,), ctx, jnp.int32))
+        else:
+            # Same shapes and the same compute (reads are masked by `length`); the cache holds zeros.
+            state = state.replace(length=jnp.full((1,), ctx, jnp.int32))
+        jax.block_until_ready(state)
+        tok = jnp.full((1,), 65, jnp.int32)
+        step, lower_s, compile_s = _compile(model._decode_step, cfg, params, state, tok)
+        rep.emit("compile", fn="decode_step", context=ctx, capacity=cap, lower_s=_r(lower_s, 3),
+                 compile_s=_r(compile_s, 3), total_s=_r(lower_s + compile_s, 3), memory=_memory(step),
+                 state_gib=_r(state_bytes(state)["total"] / GIB, 5))
+        first_s, (logits, state) = _timed(step, params, state, tok)
+        runs.append({"ctx": ctx, "cap": cap, "step": step, "state": state, "tok": tok, "first_s": first_s,
+                     "times": []})
+        _log(f"decode ctx {ctx}: compiled in {lower_s + compile_s:.1f} s")
+
+    for _ in range(warmup - 1):
+        for r in runs:
+            _, (_, r["state"]) = _timed(r["step"], params, r["state"], r["tok"])
+    for _ in range(steps):  # interleaved: both contexts see the same machine load
+        for r in runs:
+            dt, (_, r["state"]) = _timed(r["step"], params, r["state"], r["tok"])
+            r["times"].append(dt)
+
+    base = statistics.median(runs[0]["times"])
+    for r in runs:
+        med = statistics.median(r["times"])
+        rep.emit("decode", context=r["ctx"], capacity=r["cap"], fill=fill, steps=steps, warmup=warmup,
+                 median_step_s=_r(med, 6), min_step_s=_r(min(r["times"]), 6), max_step_s=_r(max(r["times"]), 6),
+                 first_call_s=_r(r["first_s"], 4), tokens_per_s=_r(1.0 / med, 2),
+                 ratio_to_first_context=_r(med / base), first_context=runs[0]["ctx"],
+                 final_length=int(r["state"].length[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: bounded replay vs exact
+
+def _fits(mem: dict | None, budget_gib: float) -> tuple[bool, str]:
+    """Whether the executable's planned temporaries + outputs fit what is left of the budget."""
+    if mem is None:
+        return True, "memory_analysis unavailable; running unchecked"
+    need = mem["temp_gib"] + mem["output_gib"]
+    left = budget_gib - _rss_gib()
+    avail = _available_gib()
+    if avail is not None:
+        left = min(left, avail * 0.9)
+    if need > left:
+        return False, (f"planned temp+output {need:.2f} GiB > {left:.2f} GiB left "
+                       f"(budget {budget_gib} GiB, MemAvailable {avail and round(avail, 2)} GiB)")
+    return True, f"planned temp+output {need:.2f} GiB ≤ {left:.2f} GiB left"
+
+
+def bench_prefill(rep: Reporter, cfg, params, n: int, reps: int, budget_gib: float, seed: int,
+                  slow_s: float, requested: int | None = None) -> bool:
+    """One prompt length: compile both policies, check memory, time them interleaved. False = did not fit."""
+    policies = {"bounded": ReplayPolicy(window=128), "exact": EXACT}
+    state = init_state(cfg, 1, n, CACHE_FORMAT)
+    tokens, n_valid = _tokens(cfg, n, seed), jnp.full((1,), n, jnp.int32)
+    compiled, memory = {}, {}
+    for key, replay in policies.items():
+        replay.validate(cfg)
+        c, lower_s, compile_s = _compile(model._prefill, cfg, params, state, tokens, n_valid, replay)
+        compiled[key], memory[key] = c, _memory(c)
+        rep.emit("compile", fn="prefill", context=n, capacity=n, replay=_policy_name(replay), lower_s=_r(lower_s, 3),
+                 compile_s=_r(compile_s, 3), total_s=_r(lower_s + compile_s, 3), memory=memory[key])
+        _log(f"prefill {n} {key}: compiled in {lower_s + compile_s:.1f} s, memory {memory[key]}")
+    for key in policies:
+        ok, why = _fits(memory[key], budget_gib)
+        if not ok:
+            rep.emit("prefill_replay", context=n, context_requested=requested or n, status="skipped: does not fit",
+                     policy=key, reason=why)
+            return False
+    fit_note = {k: _fits(memory[k], budget_gib)[1] for k in policies}
+
+    # Warm-up (first execution) of each, which also gives the work counts.
+    first, work = {}, {}
+    try:
+        for key in policies:
+            first[key], (_, _, w) = _timed(compiled[key], params, state, tokens, n_valid)
+            work[key] = int(w)
+    except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED: report and let the caller fall back
+        rep.emit("prefill_replay", context=n, context_requested=requested or n, status="failed",
+                 error=f"{type(e).__name__}: {str(e)[:400]}")
+        return False
+    reps_used = reps if sum(first.values()) < slow_s else max(1, min(reps, 2))
+    _log(f"prefill {n}: warm-up bounded {first['bounded']:.2f} s, exact {first['exact']:.2f} s; {reps_used} reps")
+
+    times = {k: [] for k in policies}
+    for i in range(reps_used):  # interleaved, alternating which goes first
+        order = list(policies) if i % 2 == 0 else list(policies)[::-1]
+        for key in order:
+            dt, _ = _timed(compiled[key], params, state, tokens, n_valid)
+            times[key].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    pair_ratios = [b / e for b, e in zip(times["bounded"], times["exact"])]
+    t = min(128, n)
+    split, layers = cfg.first_decoder_layer, cfg.num_hidden_layers
+    expected = (split * n + (layers - split) * t) / (layers * n)
+    rep.emit(
+        "prefill_replay", context=n, context_requested=requested or n,
+        status="ok" if requested in (None, n) else "fallback",
+        fallback=None if requested in (None, n) else f"{requested} did not fit or failed; measured {n}",
+        window=128, reps=reps_used,
+        wall_s_bounded=_r(med["bounded"]), wall_s_exact=_r(med["exact"]),
+        wall_ratio=_r(med["bounded"] / med["exact"]), wall_ratio_pairs_median=_r(statistics.median(pair_ratios)),
+        wall_ratio_pairs=[_r(x) for x in pair_ratios],
+        work_bounded=work["bounded"], work_exact=work["exact"], work_ratio=_r(work["bounded"] / work["exact"]),
+        work_ratio_expected=_r(expected), wall_over_work=_r((med["bounded"] / med["exact"]) / (work["bounded"] / work["exact"])),
+        first_call_s={k: _r(v) for k, v in first.items()},
+        samples_s={k: [_r(x) for x in v] for k, v in times.items()},
+        memory_check=fit_note,
+    )
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m infer.bench_model", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="tiny", choices=PRESETS, help="preset (v41_flash will not fit on a CPU)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="prefill prompt lengths, bounded vs exact (default 2048 8192; --quick: 256 1024)")
+    ap.add_argument("--decode-contexts", type=int, nargs="+", default=None,
+                    help="tokens already in the state for the decode timing (default 512 2048; --quick: 128 512)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="timed prefill reps per policy (cut to 2 when a warm-up pair takes > --slow-s)")
+    ap.add_argument("--slow-s", type=float, default=60.0, help="warm-up pair seconds above which reps ≤ 2")
+    ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 20; --quick: 10)")
+    ap.add_argument("--decode-warmup", type=int, default=3, help="untimed decode steps first (≥ 1)")
+    ap.add_argument("--decode-fill", choices=("prefill", "length"), default="prefill",
+                    help="fill the decode state by a real bounded prefill, or only set its length (no extra compile)")
+    ap.add_argument("--mem-budget-gib", type=float, default=24.0, help="RAM budget for one prefill")
+    ap.add_argument("--skip", choices=("decode", "prefill"), action="append", default=[], help="skip a part")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    contexts = args.contexts or ([256, 1024] if args.quick else [2048, 8192])
+    decode_contexts = args.decode_contexts or ([128, 512] if args.quick else [512, 2048])
+    steps = args.decode_steps or (10 if args.quick else 20)
+    if args.reps < 1 or steps < 1 or args.decode_warmup < 1:
+        print("error: --reps, --decode-steps and --decode-warmup must be ≥ 1", file=sys.stderr)
+        return 2
+    t_run = time.perf_counter()
+    cfg = preset(args.config)
+    granule = token_granule(cfg)
+    bad = [c for c in contexts + decode_contexts if c < 1 or c % granule]
+    if bad:
+        print(f"error: contexts {bad} must be positive multiples of {granule} (the compress ratios)", file=sys.stderr)
+        return 2
+    rep = Reporter(machine_info(), config_info(args.config, cfg))
+
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(model.init_params(cfg, jax.random.PRNGKey(args.seed)))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    rep.emit("setup", init_params_s=_r(time.perf_counter() - t0, 3), params=int(n_params),
+             contexts=contexts, decode_contexts=decode_contexts, quick=args.quick)
+
+    if "decode" not in args.skip:
+        bench_decode(rep, cfg, params, decode_contexts, steps, args.decode_warmup, args.decode_fill, args.seed)
+    if "prefill" not in args.skip:
+        for n in contexts:
+            m = n
+            while not bench_prefill(rep, cfg, params, m, args.reps, args.mem_budget_gib, args.seed, args.slow_s,
+                                    requested=n):
+                m //= 2
+                if m < max(256, granule) or m % granule:
+                    rep.emit("prefill_replay", context_requested=n, status="gave up: nothing ≥ 256 fits")
+                    break
+                _log(f"prefill {n} did not fit; falling back to {m}")
+    rep.emit("run", wall_s=_r(time.perf_counter() - t_run, 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

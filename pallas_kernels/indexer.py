@@ -1,0 +1,188 @@
+"""Pallas lightning-indexer scores and candidate block maxima (SPEC §5).
+
+- `indexer_scores`: Σ_h w_h · relu(qI_h · k_n) for every entry n, streamed over key blocks:
+  grid `(B, S / block_s, N / block_n)`; each program dequantizes one contiguous block of the
+  packed MXFP4 Indexer K (e2m1 + ue8m0) in registers, scores `block_s` query rows × Hi heads with
+  one 2-D dot, and writes −inf where n ≥ visible[b, s].
+- `indexer_scores_gathered` (Reindex): per query row, gather the candidate ids' key rows first
+  (vector-indexed ref load, −1 / out-of-range ids read row 0 and are masked), then score only
+  them — work bounded by the pool size P, not by N. Grid `(B, S, P / block_p)`.
+- `block_max`: max over runs of `block` scores, for the candidate source's block scores.
+
+Top-k selection stays in XLA (`lax.top_k`). Measured (`bench.py`, `topk` lines, CPU, k = 512,
+N = 4K…128K): `lax.approx_max_k(recall_target=0.95)` lowers to XLA's ApproxTopK with
+`is_fallback=true`, which XLA:CPU (and XLA:GPU) rewrites into the same exact TopK: recall 1.0 and
+the same time (ratio 0.86–1.65 around 1, noise), 0.07–0.41 ms against a 6–86 ms group step. It
+only approximates on TPU, so it buys nothing here and would make selection backend-dependent.
+Block shapes: powers of two in every in-kernel array (Triton); the streamed key block
+`(block_n, Di/2)` and score block `(block_s, block_n)` also satisfy Mosaic's (8, 128) rule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _common
+from pallas_kernels._formats import load_entries, stored
+
+Array = jax.Array
+
+
+def _score_block(q, w, keys):
+    """q [R, Hi, Di], w [R, Hi], keys [E, Di] → Σ_h w_h relu(q_h · k) [R, E]."""
+    r, hi, di = q.shape
+    dots = lax.dot_general(q.reshape(r * hi, di), keys, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)  # [R·Hi, E]
+    return jnp.sum(jnp.maximum(dots, 0.0).reshape(r, hi, -1) * w[:, :, None], axis=1)
+
+
+def _scores_kernel(*refs, packed: bool, block_n: int):
+    q_ref, w_ref, vis_ref, k_ref = refs[:4]
+    ks_ref = refs[4] if packed else None
+    o_ref = refs[-1]
+    keys = load_entries(k_ref[...], None if ks_ref is None else ks_ref[...], "index")  # [BN, Di]
+    scores = _score_block(q_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32), keys)  # [BS, BN]
+    col = pl.program_id(2) * block_n + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+    o_ref[...] = jnp.where(col < vis_ref[...], scores, -jnp.inf)  # vis [BS, 1]
+
+
+def _pick_block_n(n: int, block_n: int, least: int) -> tuple[int, int]:
+    """(key block, padded N): the largest power of two ≤ block_n dividing N, else pad N (copies the keys)."""
+    bn = max(least, min(block_n, _common.next_pow2(n)))
+    while bn > max(8, least) and n % bn:
+        bn //= 2
+    return (bn, n) if n % bn == 0 else (bn, _common.round_up(n, bn))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_s", "block_n", "num_warps"))
+def _indexer_scores(q, w, ikey, ikey_scale, visible, *, interpret, block_s, block_n, num_warps):
+    b, s, hi, di = q.shape
+    n = ikey.shape[1]
+    ikey, ikey_scale = stored(ikey, ikey_scale)
+    bs = min(block_s, _common.next_pow2(s))
+    bs = max(bs, _common.next_pow2(-(-_common.min_block(interpret) // hi)))  # dot rows bs·Hi ≥ 16 on GPU
+    sp = _common.round_up(s, bs)
+    bn, npad = _pick_block_n(n, block_n, _common.min_block(interpret))
+    q = _common.pad_axis(q, 1, sp, 0)
+    w = _common.pad_axis(w, 1, sp, 0)
+    vis = _common.pad_axis(visible.astype(jnp.int32), 1, sp, 0)[..., None]  # [B, Sp, 1]
+    keys = [_common.pad_axis(x, 1, npad, 0) for x in (ikey, ikey_scale) if x is not None]
+    key_specs = [pl.BlockSpec((None, bn, x.shape[2]), lambda b_, s_, n_: (b_, n_, 0)) for x in keys]
+    out = pl.pallas_call(
+        functools.partial(_scores_kernel, packed=ikey_scale is not None, block_n=bn),
+        grid=(b, sp // bs, npad // bn),
+        in_specs=[pl.BlockSpec((None, bs, hi, di), lambda b_, s_, n_: (b_, s_, 0, 0)),
+                  pl.BlockSpec((None, bs, hi), lambda b_, s_, n_: (b_, s_, 0)),
+                  pl.BlockSpec((None, bs, 1), lambda b_, s_, n_: (b_, s_, 0))] + key_specs,
+        out_specs=pl.BlockSpec((None, bs, bn), lambda b_, s_, n_: (b_, s_, n_)),
+        out_shape=jax.ShapeDtypeStruct((b, sp, npad), jnp.float32),
+        interpret=interpret, compiler_params=_common.compiler_params(interpret, num_warps),
+        name="csa2_indexer_scores",
+    )(q, w, vis, *keys)
+    return out[:, :s, :n]
+
+
+def indexer_scores(q, w, ikey, ikey_scale, visible, *, interpret: bool | None = None, block_s: int = 8,
+                   block_n: int = 256, num_warps: int = 4) -> Array:
+    """Pallas version of `reference.indexer_scores`: [B, S, N] float32, −inf where n ≥ visible[b, s].
+
+    block_s query rows × block_n keys per program (powers of two). On GPU keep block_s · Hi ≥ 16.
+    """
+    _common.check_indexer(q, w, ikey, ikey_scale, visible)
+    _check_pow2(block_s=block_s, block_n=block_n)
+    return _indexer_scores(q, w, ikey, ikey_scale, visible, interpret=_common.resolve_interpret(interpret),
+                           block_s=block_s, block_n=block_n, num_warps=num_warps)
+
+
+def _gathered_kernel(*refs, packed: bool):
+    q_ref, w_ref, vis_ref, ids_ref, k_ref = refs[:5]
+    ks_ref = refs[5] if packed else None
+    o_ref = refs[-1]
+    ids = ids_ref[...]  # [BP]
+    found = (ids >= 0) & (ids < k_ref.shape[0])
+    row = jnp.where(found, ids, 0)
+    keys = load_entries(k_ref[row, :], None if ks_ref is None else ks_ref[row, :], "index")  # [BP, Di]
+    scores = _score_block(q_ref[...].astype(jnp.float32)[None], w_ref[...].astype(jnp.float32)[None], keys)[0]
+    o_ref[...] = jnp.where(found & (ids < vis_ref[...]), scores, -jnp.inf)  # vis [1]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_p", "num_warps"))
+def _indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, *, interpret, block_p, num_warps):
+    b, s, hi, di = q.shape
+    p = ids.shape[-1]
+    ikey, ikey_scale = stored(ikey, ikey_scale)
+    bp = max(_common.min_block(interpret), min(block_p, _common.next_pow2(max(p, 1))))
+    pp = _common.round_up(max(p, 1), bp)
+    ids = _common.pad_axis(ids.astype(jnp.int32), 2, pp, -1)
+    keys = [x for x in (ikey, ikey_scale) if x is not None]
+    key_specs = [pl.BlockSpec((None, *x.shape[1:]), lambda b_, s_, p_: (b_, 0, 0)) for x in keys]
+    out = pl.pallas_call(
+        functools.partial(_gathered_kernel, packed=ikey_scale is not None),
+        grid=(b, s, pp // bp),
+        in_specs=[pl.BlockSpec((None, None, hi, di), lambda b_, s_, p_: (b_, s_, 0, 0)),
+                  pl.BlockSpec((None, None, hi), lambda b_, s_, p_: (b_, s_, 0)),
+                  pl.BlockSpec((None, None, 1), lambda b_, s_, p_: (b_, s_, 0)),
+                  pl.BlockSpec((None, None, bp), lambda b_, s_, p_: (b_, s_, p_))] + key_specs,
+        out_specs=pl.BlockSpec((None, None, bp), lambda b_, s_, p_: (b_, s_, p_)),
+        out_shape=jax.ShapeDtypeStruct((b, s, pp), jnp.float32),
+        interpret=interpret, compiler_params=_common.compiler_params(interpret, num_warps),
+        name="csa2_indexer_scores_gathered",
+    )(q, w, visible.astype(jnp.int32)[..., None], ids, *keys)
+    return out[:, :, :p]
+
+
+def indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, *, interpret: bool | None = None,
+                            block_p: int = 256, num_warps: int = 4) -> Array:
+    """Pallas version of `reference.indexer_scores_gathered`: [B, S, P] float32, −inf where id < 0 or id ≥ visible."""
+    _common.check_indexer(q, w, ikey, ikey_scale, visible)
+    if ids.ndim != 3 or ids.shape[:2] != q.shape[:2]:
+        raise ValueError(f"ids.shape={ids.shape}: expected [B, S, P] int32 candidate ids with B, S of q {q.shape[:2]}")
+    _check_pow2(block_p=block_p)
+    return _indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, interpret=_common.resolve_interpret(interpret),
+                                    block_p=block_p, num_warps=num_warps)
+
+
+def _block_max_kernel(x_ref, o_ref, *, block: int):
+    x = x_ref[...]  # [BS, BB · block]
+    o_ref[...] = jnp.max(x.reshape(x.shape[0], -1, block), axis=2)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "interpret", "block_s", "block_b", "num_warps"))
+def _block_max(scores, *, block, interpret, block_s, block_b, num_warps):
+    b, s, n = scores.shape
+    blocks = -(-n // block)
+    bs = min(block_s, _common.next_pow2(s))
+    bb = min(block_b, _common.next_pow2(blocks))
+    sp, bp = _common.round_up(s, bs), _common.round_up(blocks, bb)
+    x = _common.pad_axis(_common.pad_axis(scores.astype(jnp.float32), 1, sp, -jnp.inf), 2, bp * block, -jnp.inf)
+    out = pl.pallas_call(
+        functools.partial(_block_max_kernel, block=block),
+        grid=(b, sp // bs, bp // bb),
+        in_specs=[pl.BlockSpec((None, bs, bb * block), lambda b_, s_, k_: (b_, s_, k_))],
+        out_specs=pl.BlockSpec((None, bs, bb), lambda b_, s_, k_: (b_, s_, k_)),
+        out_shape=jax.ShapeDtypeStruct((b, sp, bp), jnp.float32),
+        interpret=interpret, compiler_params=_common.compiler_params(interpret, num_warps),
+        name="csa2_block_max",
+    )(x)
+    return out[:, :s, :blocks]
+
+
+def block_max(scores, block: int, *, interpret: bool | None = None, block_s: int = 8, block_b: int = 128,
+              num_warps: int = 4) -> Array:
+    """Pallas version of `reference.block_max`: scores [B, S, N] → [B, S, ceil(N / block)] (block a power of two)."""
+    if scores.ndim != 3:
+        raise ValueError(f"block_max: scores.shape={scores.shape}; expected [B, S, N]")
+    _check_pow2(block=block, block_s=block_s, block_b=block_b)
+    return _block_max(scores, block=block, interpret=_common.resolve_interpret(interpret), block_s=block_s,
+                      block_b=block_b, num_warps=num_warps)
+
+
+def _check_pow2(**sizes: int) -> None:
+    for name, v in sizes.items():
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name}={v}: must be a power of two (Triton block shapes)")

@@ -1,0 +1,148 @@
+"""The pure training step: LM loss + indexer KL (SPEC §13), AdamW, aux-loss-free MoE balancing (SPEC §9).
+
+`train_step(cfg, tc, state, inputs, targets)` is one jitted update. The MoE correction biases
+are parameters the optimizer never touches: after each step they move by
+`bias_update(bias, load, rate)` from the step's measured expert loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from csa2 import model
+from csa2.config import ModelConfig
+from csa2.moe import bias_update
+
+Array = jax.Array
+_BALANCING = ("bias", "bias_vl")  # MoE leaves updated outside the optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimization recipe (hashable: a static jit argument)."""
+
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 40
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    index_loss_weight: float = 1.0
+    dense_warmup_steps: int = 0  # steps whose indexer KL uses every visible entry (SPEC §13 recipe)
+    bias_rate: float = 1e-3
+    qat_from: int | None = None  # from this step on, SPEC §8 fake-quant (straight-through) in the forward pass
+    replay_window: int | None = None  # train on the decoder tail of SPEC §11 (None = every position)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)}: must be ≥ 1")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr={self.lr}: must be > 0")
+        if self.replay_window is not None and self.replay_window < 1:
+            raise ValueError(f"TrainConfig.replay_window={self.replay_window}: use ≥ 1, or None for no replay")
+
+    @property
+    def replay(self) -> model.ReplayPolicy:
+        return model.EXACT if self.replay_window is None else model.ReplayPolicy(window=self.replay_window)
+
+
+@chex.dataclass(frozen=True)
+class TrainState:
+    params: dict
+    opt_state: optax.OptState
+    step: Array  # int32 scalar
+    rng: Array
+
+
+def _labels(params: dict) -> dict:
+    """"frozen" for the MoE balancing biases, "adamw" for everything else."""
+    def label(path, _):
+        return "frozen" if getattr(path[-1], "key", None) in _BALANCING else "adamw"
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine decay and global-norm clipping; the balancing biases are frozen."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, min(tc.warmup, tc.steps - 1), tc.steps, tc.lr * 0.1)
+    adamw = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
+    return optax.multi_transform({"adamw": adamw, "frozen": optax.set_to_zero()}, _labels)
+
+
+def init_train_state(cfg: ModelConfig, tc: TrainConfig) -> TrainState:
+    key, rng = jax.random.split(jax.random.PRNGKey(tc.seed))
+    params = model.init_params(cfg, key)
+    return TrainState(params=params, opt_state=optimizer(tc).init(params), step=jnp.zeros((), jnp.int32), rng=rng)
+
+
+def _index_layers(cfg: ModelConfig) -> int:
+    return max(1, len(cfg.index_source_layer_ids))
+
+
+def _nll(logits: Array, targets: Array) -> Array:
+    """Per-position next-token cross-entropy (nats)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def token_loss(logits: Array, targets: Array, mask: Array) -> Array:
+    """Mean next-token cross-entropy (nats) over `mask`."""
+    return jnp.sum(_nll(logits, targets) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def losses(cfg: ModelConfig, tc: TrainConfig, params: dict, inputs: Array, targets: Array, dense: bool, qat: bool):
+    """(total, aux): LM cross-entropy on the rows that reach the head plus weighted indexer KL."""
+    logits, aux = model.forward(cfg, params, inputs, qat=qat, replay=tc.replay,
+                                index_loss="dense" if dense else "sparse")
+    rows = aux["rows"]  # [B, T]: all rows, or the decoder tail under replay
+    lm = token_loss(logits, jnp.take_along_axis(targets, rows, axis=1), jnp.ones(rows.shape, jnp.float32))
+    kl = jnp.sum(aux["index_kl"]) / _index_layers(cfg)
+    return lm + tc.index_loss_weight * kl, {"lm": lm, "index_kl": kl, "load": aux["load"]}
+
+
+def _balance(cfg: ModelConfig, params: dict, load: Array, rate: float) -> dict:
+    """Apply the aux-loss-free bias update to every layer's MoE router bias (outside the optimizer)."""
+    layers = []
+    for run, p in zip(model.layer_runs(cfg), params["layers"]):
+        run_load = load[run.first:run.first + run.count]  # [count, E]
+        layers.append({**p, "moe": {**p["moe"], "bias": bias_update(p["moe"]["bias"], run_load, rate)}})
+    return {**params, "layers": tuple(layers)}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tc", "dense", "qat"), donate_argnames=("state",))
+def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Array, targets: Array,
+               dense: bool = False, qat: bool = False) -> tuple[TrainState, dict]:
+    """One update on a batch `inputs, targets [B, L]`; returns the new state and scalar metrics.
+
+    `dense`: indexer KL over every visible entry (warm-up); `qat`: fake-quant forward (SPEC §8).
+    """
+    (_, aux), grads = jax.value_and_grad(lambda p: losses(cfg, tc, p, inputs, targets, dense, qat), has_aux=True)(
+        state.params)
+    updates, opt_state = optimizer(tc).update(grads, state.opt_state, state.params)
+    params = _balance(cfg, optax.apply_updates(state.params, updates), aux["load"], tc.bias_rate)
+    load = aux["load"]
+    metrics = {
+        "loss": aux["lm"],
+        "bpb": aux["lm"] / math.log(2),
+        "index_kl": aux["index_kl"],
+        "grad_norm": optax.global_norm(grads),
+        "max_load": jnp.mean(jnp.max(load, axis=-1)) * cfg.n_routed_experts,  # 1.0 = perfectly balanced
+    }
+    return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "qat"))
+def eval_loss(cfg: ModelConfig, params: dict, inputs: Array, targets: Array, mask: Array, qat: bool) -> tuple[Array, Array]:
+    """(summed nats, counted tokens) of a masked eval batch, every position through every layer."""
+    logits, _ = model.forward(cfg, params, inputs, qat=qat)
+    return jnp.sum(_nll(logits, targets) * mask), jnp.sum(mask)
