@@ -131,20 +131,21 @@ def window_ids(positions: Array, start: Array, window: int, slots: int) -> tuple
     return pos, jnp.where(in_chunk, slots + pos - start[:, None, None], pos % slots)
 
 
-def sink_attention(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
-    """One softmax over the entries with the per-head sink in the denominator only (SPEC §3).
-
-    q [B, S, H, D], keys [B, S, E, D] (K = V), valid [B, S, E], sink [H] → [B, S, H, D] float32.
-    A row with no valid entry returns 0.
-    """
-    scale = q.shape[-1] ** -0.5
-    logits = jnp.einsum("bshd,bsed->bshe", q.astype(jnp.float32), keys.astype(jnp.float32)) * scale
+def attention_probs(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
+    """Probabilities [B, S, H, E] of one softmax over the entries with the per-head sink in the
+    denominator only (SPEC §3). q [B, S, H, D], keys [B, S, E, D], valid [B, S, E], sink [H]."""
+    logits = jnp.einsum("bshd,bsed->bshe", q.astype(jnp.float32), keys.astype(jnp.float32)) * q.shape[-1] ** -0.5
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
-    sink = sink.astype(jnp.float32)[None, None, :]  # [1, 1, H]
-    m = jnp.maximum(jnp.max(logits, axis=-1), sink)  # [B, S, H]; finite thanks to the sink
-    p = jnp.exp(logits - m[..., None])
-    denom = jnp.sum(p, axis=-1) + jnp.exp(sink - m)
-    return jnp.einsum("bshe,bsed->bshd", p, keys.astype(jnp.float32)) / denom[..., None]
+    sink = sink.astype(jnp.float32)[None, None, :, None]
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)  # finite thanks to the sink
+    p = jnp.exp(logits - m)
+    return p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))
+
+
+def sink_attention(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
+    """Core attention with K = V: `Σ_e p_e kv_e` [B, S, H, D] float32 (SPEC §3). A row with no
+    valid entry returns 0 (all its mass is on the sink)."""
+    return jnp.einsum("bshe,bsed->bshd", attention_probs(q, keys, valid, sink), keys.astype(jnp.float32))
 
 
 def grouped_output(cfg: ModelConfig, params: dict, o: Array) -> Array:
@@ -247,13 +248,13 @@ def _index_loss(cfg, spec, mode, q, keys, valid, sink, q_index, w_index, gkv, to
         raise ValueError(f"index_loss={mode!r}: use one of {index_loss_lib.MODES} or None")
     w = cfg.sliding_window
     if mode == "sparse":
-        probs = index_loss_lib.attention_probs(q, keys, valid, sink)[..., w:]  # [B, S, H, K]
+        probs = attention_probs(q, keys, valid, sink)[..., w:]  # [B, S, H, K]
         ikeys = cache.gather(gkv.ikey, gkv.ikey_scale, topk, quant.INDEX)  # [B, S, K, Di]
         return index_loss_lib.indexer_kl(probs, index_scores(q_index, w_index, ikeys), topk >= 0, valid_q)
     every = cache.decode(gkv.kv, gkv.kv_scale, quant.MAIN)  # [B, N, D]
     n = every.shape[1]
     visible = jnp.arange(n) < visible_entries(positions, spec.ratio)[..., None]  # [B, S, N]
     all_keys = jnp.concatenate([keys[:, :, :w], jnp.broadcast_to(every[:, None], (*q.shape[:2], *every.shape[1:]))], 2)
-    probs = index_loss_lib.attention_probs(q, all_keys, jnp.concatenate([valid[..., :w], visible], -1), sink)[..., w:]
+    probs = attention_probs(q, all_keys, jnp.concatenate([valid[..., :w], visible], -1), sink)[..., w:]
     scores = index_scores(q_index, w_index, cache.decode(gkv.ikey, gkv.ikey_scale, quant.INDEX))
     return index_loss_lib.indexer_kl(probs, scores, visible, valid_q)

@@ -3,9 +3,9 @@
 The LM loss gives the indexer no gradient through top-k, so each index source learns with the
 DSA auxiliary loss: per query, the target `p` is the main attention probability mass of each
 Global entry in the indexer's set, summed over heads and L1-normalized, and the loss is
-`KL(p ‖ softmax(score))` over the same set. `p` is a constant (stop-gradient), and the indexer's
-inputs are detached from the main graph by the callers (`attention`, `compressor`), so this loss
-trains the indexer weights only.
+`KL(p ‖ softmax(score))` over the same set. `p` (from `attention.attention_probs`) is a constant
+(stop-gradient), and the indexer's inputs are detached from the main graph by the callers
+(`attention`, `compressor`), so this loss trains the indexer weights only.
 
 Sets: "sparse" = the entries the indexer selected (top-k); "dense" = every visible entry (the
 warm-up recipe, before sparse training).
@@ -18,17 +18,6 @@ import jax.numpy as jnp
 
 Array = jax.Array
 MODES = ("sparse", "dense")
-
-
-def attention_probs(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
-    """Main attention probabilities [B, S, H, E] over `keys [B, S, E, D]` with the sink in the
-    denominator (SPEC §3): the same distribution `sink_attention` averages values with."""
-    logits = jnp.einsum("bshd,bsed->bshe", q.astype(jnp.float32), keys.astype(jnp.float32)) * q.shape[-1] ** -0.5
-    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
-    sink = sink.astype(jnp.float32)[None, None, :, None]
-    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
-    p = jnp.exp(logits - m)
-    return p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))
 
 
 def indexer_kl(main_probs: Array, scores: Array, valid: Array, query_valid: Array) -> Array:

@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

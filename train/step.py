@@ -135,7 +135,7 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
         "loss": aux["lm"],
         "bpb": aux["lm"] / math.log(2),
         "index_kl": aux["index_kl"],
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "max_load": jnp.mean(jnp.max(load, axis=-1)) * cfg.n_routed_experts,  # 1.0 = perfectly balanced
     }
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
