@@ -8,12 +8,11 @@ to 1.0 (no mscale), same correction-range/ramp formula (transformers' ``_compute
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers.models.deepseek_v4.modeling_deepseek_v4 as v4
+from transformers import DeepseekV4Config
 
-torch = pytest.importorskip("torch")
-v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-from transformers import DeepseekV4Config  # noqa: E402
-
-from csa2.rope import YarnScaling, apply_rope, rope_frequencies  # noqa: E402
+from csa2.rope import YarnScaling, apply_rope, rope_frequencies
 
 YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 OURS_YARN = YarnScaling(16.0, 65536, 32.0, 1.0)
