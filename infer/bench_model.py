@@ -97,27 +97,26 @@ def _peak_rss_gib() -> float:
     return round(kib / (1 << 20), 3)
 
 
-def _rss_gib() -> float:
-    """Current resident memory of this process (falls back to the peak off Linux)."""
+def _proc_gib(path: str, field: str) -> float | None:
+    """A `field: N kB` line of a /proc file, in GiB (None off Linux)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / (1 << 20)
-    except OSError:
-        pass
-    return _peak_rss_gib()
-
-
-def _available_gib() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / (1 << 20)
     except OSError:
         pass
     return None
+
+
+def _rss_gib() -> float:
+    """Current resident memory of this process (falls back to the peak off Linux)."""
+    rss = _proc_gib("/proc/self/status", "VmRSS")
+    return _peak_rss_gib() if rss is None else rss
+
+
+def _available_gib() -> float | None:
+    return _proc_gib("/proc/meminfo", "MemAvailable")
 
 
 def _log(msg: str) -> None:
