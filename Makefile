@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: this machine carries the 2.13.0 CPU wheel; an unpinned torch would pull a CUDA build.
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test,notebooks,parity]"
+	$(PY) -m pip install --quiet -e ".[plot,test,notebooks,parity]"
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -21,7 +21,7 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset v41_flash --context 1048576
-	JAX_PLATFORMS=cpu $(PY) -m infer.demo
+	JAX_PLATFORMS=cpu $(PY) -m train.demo
 
 clean:
 	rm -rf $(VENV)

@@ -17,40 +17,45 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from csa2 import cache, quant
+from csa2 import cache
 from csa2.config import ModelConfig
 from csa2.norm import rms_norm
-from csa2.params import dense, ones
+from csa2.params import normal, ones
+from csa2.quant import INDEX, MAIN
 from csa2.rope import apply_rope, rope_frequencies
-from csa2.state import CompressorTail, GlobalKV, tail_slots
+from csa2.state import CompressorTail, SourceKV, tail_slots
 
 Array = jax.Array
 
 
-def init_compressor_params(cfg: ModelConfig, ratio: int, key: Array) -> dict:
+class Compressor(nnx.Module):
     """Weights of a ratio-`ratio` compressor; `wgate` exists only when tokens are pooled (ratio > 1)."""
-    _check_ratio(ratio)
-    k_kv, k_gate, k_ik = jax.random.split(key, 3)
-    d, D, Di, std = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim, cfg.initializer_range
-    params = {"wkv": dense(k_kv, (d, D), std), "norm": ones(D),
-              "wik": dense(k_ik, (D, Di), std), "ik_norm": ones(Di)}
-    if ratio > 1:
-        params["wgate"] = dense(k_gate, (d, D), std)
-    return params
+
+    def __init__(self, cfg: ModelConfig, ratio: int, rngs: nnx.Rngs):
+        _check_ratio(ratio)
+        d, D, Di, std = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim, cfg.initializer_range
+        self.wkv = normal(rngs, (d, D), std, ("embed", "latent"))
+        self.norm = ones((D,), ("latent",))
+        self.wik = normal(rngs, (D, Di), std, ("latent", "index_dim"))
+        self.ik_norm = ones((Di,), ("index_dim",))
+        if ratio > 1:
+            self.wgate = normal(rngs, (d, D), std, ("embed", "latent"))
 
 
-def compress(cfg: ModelConfig, params: dict, ratio: int, gkv: GlobalKV, tail: CompressorTail,
-             x: Array, start: Array, n_valid: Array, *, quantize: bool) -> tuple[GlobalKV, CompressorTail]:
-    """Write the entries completed by a chunk into `gkv` and its pre-pool projections into `tail`.
+def compress(cfg: ModelConfig, params: dict, ratio: int, source: SourceKV, tail: CompressorTail,
+             x: Array, start: Array, n_valid: Array, *, quantize: bool) -> tuple[SourceKV, CompressorTail]:
+    """Write the entries completed by a chunk into `source` and its pre-pool projections into `tail`.
 
     x [B, S, hidden_size]: the Full layer's attention input at positions `start[b] + j`;
     start [B] int32: committed length before the chunk; n_valid [B] int32 (≤ S): valid tokens per
-    row, the rest is padding and changes nothing. Packed storage is used iff `gkv.kv_scale` is not
-    None (then entries are always quantized); `quantize` fake-quantizes float-format entries.
+    row, the rest is padding and changes nothing. `tail` is this source's tail ring, kv and gate
+    `[B, slots, D]` (0 slots at ratio 1). Entries are stored in `source`'s storage (packed, or
+    float32 fake-quantized if `quantize`).
     """
     x, start, n_valid = jnp.asarray(x), jnp.asarray(start), jnp.asarray(n_valid)
-    _check_inputs(cfg, ratio, gkv, tail, x, start, n_valid)
+    _check_inputs(cfg, ratio, source, tail, x, start, n_valid)
     S = x.shape[1]
     start, n_valid = start.astype(jnp.int32), n_valid.astype(jnp.int32)
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [B, S]
@@ -66,7 +71,7 @@ def compress(cfg: ModelConfig, params: dict, ratio: int, gkv: GlobalKV, tail: Co
         tail = CompressorTail(kv=cache.ring_scatter(tail.kv, positions, kv, valid, end),
                               gate=cache.ring_scatter(tail.gate, positions, gate, valid, end))
     latent = rms_norm(latent, params["norm"], cfg.rms_norm_eps)
-    return _write_entries(cfg, params, ratio, gkv, latent, entry, complete, quantize), tail
+    return _write_entries(cfg, params, ratio, source, latent, entry, complete, quantize), tail
 
 
 def _pool(tail: CompressorTail, kv: Array, gate: Array, start: Array, n_valid: Array,
@@ -91,25 +96,17 @@ def _pool(tail: CompressorTail, kv: Array, gate: Array, start: Array, n_valid: A
     return entry, complete, pooled
 
 
-def _write_entries(cfg: ModelConfig, params: dict, ratio: int, gkv: GlobalKV, latent: Array,
-                   entry: Array, complete: Array, quantize: bool) -> GlobalKV:
-    """RoPE at each group's first position, encode (SPEC §8) and scatter the complete entries."""
+def _write_entries(cfg: ModelConfig, params: dict, ratio: int, source: SourceKV, latent: Array,
+                   entry: Array, complete: Array, quantize: bool) -> SourceKV:
+    """RoPE at each group's first position, encode (SPEC §8) and write the complete entries."""
     freqs = rope_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
     pos = entry * ratio  # [B, n]
     main = apply_rope(latent, pos, freqs)  # [B, n, D]
     # Indexer K feeds only top-k and the indexer loss: detach the latent (SPEC §13).
     ikey = rms_norm(jax.lax.stop_gradient(latent) @ params["wik"], params["ik_norm"], cfg.rms_norm_eps)  # [B, n, Di]
     ikey = apply_rope(ikey, pos, freqs)
-    packed = gkv.kv_scale is not None
-    kv, kv_scale = cache.encode(main, quant.MAIN, packed, quantize)
-    ik, ik_scale = cache.encode(ikey, quant.INDEX, packed, quantize)
-
-    def put(buf: Array | None, values: Array | None) -> Array | None:
-        """Masked per-row write of the complete entries."""
-        return None if buf is None else cache.scatter(buf, entry, values, complete)
-
-    return GlobalKV(kv=put(gkv.kv, kv), kv_scale=put(gkv.kv_scale, kv_scale),
-                    ikey=put(gkv.ikey, ik), ikey_scale=put(gkv.ikey_scale, ik_scale))
+    return source.write(entry, cache.encode(main, source.kv, quantize), cache.encode(ikey, source.ikey, quantize),
+                        complete)
 
 
 def _check_ratio(ratio: int) -> None:
@@ -118,8 +115,8 @@ def _check_ratio(ratio: int) -> None:
         raise ValueError(f"ratio={ratio!r}: a compressor needs an integer ratio ≥ 1 (ratio-0 layers have none)")
 
 
-def _check_inputs(cfg: ModelConfig, ratio: int, gkv: GlobalKV, tail: CompressorTail,
-                  x: Array, start: Array, n_valid: Array) -> None:
+def _check_inputs(cfg: ModelConfig, ratio: int, source: SourceKV, tail: CompressorTail, x: Array, start: Array,
+                  n_valid: Array) -> None:
     """Raise ValueError on inconsistent shapes at the public boundary (DESIGN §7)."""
     _check_ratio(ratio)
     if x.ndim != 3 or x.shape[-1] != cfg.hidden_size:
@@ -130,9 +127,11 @@ def _check_inputs(cfg: ModelConfig, ratio: int, gkv: GlobalKV, tail: CompressorT
             raise ValueError(f"{name}.shape={value.shape}: expected ({B},), one value per row of x")
         if not jnp.issubdtype(value.dtype, jnp.integer):
             raise ValueError(f"{name}.dtype={value.dtype}: pass integer (int32) positions")
-    if gkv.kv.shape[0] != B:
-        raise ValueError(f"gkv.kv.shape={gkv.kv.shape}: expected batch {B} (x.shape={x.shape})")
+    for name, store, dim in (("source.kv", source.kv, cfg.head_dim), ("source.ikey", source.ikey, cfg.index_head_dim)):
+        if store.payload.shape[0] != B or store.dim != dim:
+            raise ValueError(f"{name}.payload.shape={store.payload.shape}: expected batch {B} (x.shape={x.shape}) "
+                             f"and {dim} features per entry")
     expected_tail = (B, tail_slots(cfg, ratio), cfg.head_dim)
     if tail.kv.shape != expected_tail or tail.gate.shape != expected_tail:
-        raise ValueError(f"tail.kv.shape={tail.kv.shape}, tail.gate.shape={tail.gate.shape}: "
-                         f"expected {expected_tail} (batch, tail_slots(cfg, {ratio}), head_dim)")
+        raise ValueError(f"tail.kv.shape={tail.kv.shape}, tail.gate.shape={tail.gate.shape}: expected {expected_tail} "
+                         f"(batch, tail_slots(cfg, {ratio}), head_dim)")

@@ -1,8 +1,15 @@
-"""Model configuration: the released field names of SPEC §1 plus a few framework fields.
+"""Model configuration: the released field names of SPEC §1 apart from the framework's own fields.
 
 `ModelConfig` is a frozen, hashable dataclass, so it can be a static argument of `jax.jit`.
 Every constructor path (`preset`, `replace`, `from_hf_config`, direct construction) validates;
 a bad value raises `ValueError` naming the field, the value and the fix (DESIGN §7).
+
+Each field belongs to one group, declared once on the field itself (`fields_of`):
+- `RELEASED`: a key of the released `config.json` (`from_hf_config` reads exactly these);
+- `VARIANT`: a framework choice that changes what the parameters compute (`mhc_single_pass`);
+- `RUNTIME`: how the same model runs (compute dtype, kernel backend, verify width).
+A checkpoint is compatible with a config when their RELEASED and VARIANT fields agree.
+This module is the root of the import graph: it imports nothing from csa2.
 """
 
 from __future__ import annotations
@@ -10,10 +17,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from csa2.rope import YarnScaling
-
+RELEASED, VARIANT, RUNTIME = "released", "variant", "runtime"
 _DTYPES = ("float32", "bfloat16")
 _KERNEL_IMPLS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN frequency interpolation of the compressed layers' RoPE (SPEC §7; released: 16, 65536, 32, 1)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+
+
+def _released(default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"group": RELEASED})
+
+
+def _framework(default: Any, group: str) -> Any:
+    return dataclasses.field(default=default, metadata={"group": group})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,69 +45,69 @@ class ModelConfig:
     """A CSA2 / CED model. Field names follow the released `text_config` (SPEC §1)."""
 
     # --- attention / rope (SPEC §3, §7)
-    vocab_size: int = 129280
-    hidden_size: int = 5120
-    num_hidden_layers: int = 40
-    num_attention_heads: int = 64
-    head_dim: int = 512
-    q_lora_rank: int = 1280
-    qk_rope_head_dim: int = 64
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    rope_scaling: YarnScaling = YarnScaling(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0)
-    max_position_embeddings: int = 1048576
+    vocab_size: int = _released(129280)
+    hidden_size: int = _released(5120)
+    num_hidden_layers: int = _released(40)
+    num_attention_heads: int = _released(64)
+    head_dim: int = _released(512)
+    q_lora_rank: int = _released(1280)
+    qk_rope_head_dim: int = _released(64)
+    rope_theta: float = _released(10000.0)
+    compress_rope_theta: float = _released(160000.0)
+    rope_scaling: YarnScaling = _released(YarnScaling(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0))
+    max_position_embeddings: int = _released(1048576)
     # --- sliding window + CSA2 (SPEC §2, §4, §5)
-    sliding_window: int = 128
-    compress_ratios: tuple[int, ...] = (0, 0) + (2,) * 18 + (1,) * 20
-    kv_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20)
-    index_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
-    candidate_source_layer_id: int = 20  # < 0 disables the candidate pool
-    candidate_topk_blocks: int = 2048
-    candidate_block_size: int = 8
-    index_n_heads: int = 32
-    index_head_dim: int = 128
-    index_topk: int = 512
+    sliding_window: int = _released(128)
+    compress_ratios: tuple[int, ...] = _released((0, 0) + (2,) * 18 + (1,) * 20)
+    kv_source_layer_ids: tuple[int, ...] = _released((2, 8, 14, 20))
+    index_source_layer_ids: tuple[int, ...] = _released((2, 8, 14, 20, 24, 28, 32, 36))
+    candidate_source_layer_id: int = _released(20)  # < 0 disables the candidate pool
+    candidate_topk_blocks: int = _released(2048)
+    candidate_block_size: int = _released(8)
+    index_n_heads: int = _released(32)
+    index_head_dim: int = _released(128)
+    index_topk: int = _released(512)
     # --- grouped output projection (SPEC §3)
-    o_groups: int = 8
-    o_lora_rank: int = 1024
+    o_groups: int = _released(8)
+    o_lora_rank: int = _released(1024)
     # --- MoE (SPEC §9)
-    moe_intermediate_size: int = 2304
-    n_routed_experts: int = 384
-    n_shared_experts: int = 1
-    num_experts_per_tok: int = 6
-    scoring_func: str = "sqrtsoftplus"
-    gate_temp: float = 1.0
-    routed_scaling_factor: float = 1.5
-    swiglu_limit: float = 10.0
+    moe_intermediate_size: int = _released(2304)
+    n_routed_experts: int = _released(384)
+    n_shared_experts: int = _released(1)
+    num_experts_per_tok: int = _released(6)
+    scoring_func: str = _released("sqrtsoftplus")
+    gate_temp: float = _released(1.0)
+    routed_scaling_factor: float = _released(1.5)
+    swiglu_limit: float = _released(10.0)
     # --- mHC (SPEC §10)
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
+    hc_mult: int = _released(4)
+    hc_sinkhorn_iters: int = _released(20)
+    hc_eps: float = _released(1e-6)
     # --- Engram (SPEC §10b)
-    engram_layer_ids: tuple[int, ...] = (1, 14)
-    engram_vocab_size: int = 16_000_000
-    engram_max_ngram_size: int = 4
-    engram_n_heads: int = 8
-    engram_head_dim: int = 256
-    engram_pad_id: int = 2
-    engram_compressed_vocab_size: int = 99092
+    engram_layer_ids: tuple[int, ...] = _released((1, 14))
+    engram_vocab_size: int = _released(16_000_000)
+    engram_max_ngram_size: int = _released(4)
+    engram_n_heads: int = _released(8)
+    engram_head_dim: int = _released(256)
+    engram_pad_id: int = _released(2)
+    engram_compressed_vocab_size: int = _released(99092)
     # --- DSpark (SPEC §12)
-    num_nextn_predict_layers: int = 3
-    dspark_block_size: int = 5
-    dspark_noise_token_id: int = 128799
-    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
-    dspark_markov_rank: int = 256
-    dspark_n_routed_experts: int = 128
-    dspark_num_experts_per_tok: int = 3
+    num_nextn_predict_layers: int = _released(3)
+    dspark_block_size: int = _released(5)
+    dspark_noise_token_id: int = _released(128799)
+    dspark_target_layer_ids: tuple[int, ...] = _released((37, 38, 39))
+    dspark_markov_rank: int = _released(256)
+    dspark_n_routed_experts: int = _released(128)
+    dspark_num_experts_per_tok: int = _released(3)
     # --- misc released
-    rms_norm_eps: float = 1e-20
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = False
+    rms_norm_eps: float = _released(1e-20)
+    initializer_range: float = _released(0.02)
+    tie_word_embeddings: bool = _released(False)
     # --- framework fields
-    dtype: str = "bfloat16"  # compute dtype; params and statistics stay float32 (DESIGN §6)
-    kernel_impl: str = "xla"  # "xla" | "pallas" (DESIGN §4)
-    max_draft: int = 4  # most drafts a verify block carries (γ); SWA rings hold W + max_draft slots
-    mhc_single_pass: bool = True  # SPEC §10: V4.1 collapses each site with the previous site's pre
+    dtype: str = _framework("bfloat16", RUNTIME)  # compute dtype; params and statistics stay float32 (DESIGN §6)
+    kernel_impl: str = _framework("xla", RUNTIME)  # "xla" | "pallas" (DESIGN §4)
+    max_draft: int = _framework(4, RUNTIME)  # most drafts a verify block carries (γ); SWA rings hold W + max_draft slots
+    mhc_single_pass: bool = _framework(True, VARIANT)  # SPEC §10: V4.1 collapses each site with the previous site's pre
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
@@ -119,6 +143,19 @@ class ModelConfig:
     @property
     def engram_ngram_sizes(self) -> tuple[int, ...]:
         return tuple(range(2, self.engram_max_ngram_size + 1))
+
+
+def fields_of(*groups: str) -> tuple[str, ...]:
+    """Names of the `ModelConfig` fields in `groups` (RELEASED, VARIANT, RUNTIME), in declaration order."""
+    unknown = sorted(set(groups) - {RELEASED, VARIANT, RUNTIME})
+    if unknown:
+        raise ValueError(f"fields_of: unknown group(s) {unknown}; use {RELEASED!r}, {VARIANT!r} or {RUNTIME!r}")
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata["group"] in groups)
+
+
+def model_differences(a: ModelConfig, b: ModelConfig) -> tuple[str, ...]:
+    """The RELEASED and VARIANT fields where `a` and `b` differ: parameters of `a` mean something else under `b`."""
+    return tuple(name for name in fields_of(RELEASED, VARIANT) if getattr(a, name) != getattr(b, name))
 
 
 def _fail(field: str, value: Any, fix: str) -> None:
@@ -308,6 +345,7 @@ _HF_FIXED: dict[str, Any] = {
     "num_key_value_heads": 1, "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
     "norm_topk_prob": True, "topk_method": "noaux_tc",
 }
+# ("dtype"/"torch_dtype" there is the stored weights' torch dtype, not this framework's compute dtype.)
 _HF_IGNORED = {
     "model_type", "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache",
     "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
@@ -320,12 +358,12 @@ def from_hf_config(d: Mapping[str, Any], **framework: Any) -> ModelConfig:
     """Build a config from a released `config.json` dict (`text_config` or flat).
 
     Unknown keys and values this framework cannot reproduce raise ValueError. `framework`
-    sets the framework-only fields (dtype, kernel_impl, max_draft, mhc_single_pass).
+    sets the VARIANT and RUNTIME fields (dtype, kernel_impl, max_draft, mhc_single_pass).
     """
     if "text_config" in d:
         d = d["text_config"]
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    framework_fields = {"dtype", "kernel_impl", "max_draft", "mhc_single_pass"}
+    released = set(fields_of(RELEASED))
+    framework_fields = set(fields_of(VARIANT, RUNTIME))
     kwargs: dict[str, Any] = {}
     for key, value in d.items():
         if key in _HF_FIXED:
@@ -349,9 +387,12 @@ def from_hf_config(d: Mapping[str, Any], **framework: Any) -> ModelConfig:
                 if missing:
                     raise ValueError(f"config.json rope_scaling lacks {missing}; the YaRN of SPEC §7 needs all of {sorted(known)}")
                 kwargs["rope_scaling"] = YarnScaling(**{k: v for k, v in value.items() if k in known})
-        elif key in fields and key not in framework_fields:
+        elif key in released:
             kwargs[key] = value
         else:
+            if key in framework_fields:
+                raise ValueError(f"config.json has key {key!r}, a framework field of csa2 (not a released one); "
+                                 f"pass it as from_hf_config(d, {key}=...)")
             raise ValueError(f"config.json has unknown key {key!r}; csa2 does not know how to honour it")
     n = kwargs.get("num_hidden_layers", ModelConfig.num_hidden_layers)
     ratios = kwargs.get("compress_ratios")

@@ -61,10 +61,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from csa2.config import ModelConfig
 from csa2.norm import rms_norm
-from csa2.params import dense, linear
+from csa2.params import linear, normal, ones
 
 Array = jax.Array
 
@@ -193,28 +194,31 @@ def _mod64(hi: Array, lo: Array, p: Array, digit_bits: int) -> Array:
 # ---------------------------------------------------------------------------------------------
 # Hashing
 
+def check_history(cfg: ModelConfig, history: np.ndarray) -> None:
+    """Host-side check of concrete token ids before hashing: all in `[0, engram_compressed_vocab_size)`."""
+    values = np.asarray(history)
+    lo, hi = (int(values.min()), int(values.max())) if values.size else (0, 0)
+    if lo < 0 or hi >= cfg.engram_compressed_vocab_size:
+        raise ValueError(f"history: token ids span [{lo}, {hi}]; Engram hashes compressed ids in "
+                         f"[0, engram_compressed_vocab_size={cfg.engram_compressed_vocab_size})")
+
+
 def engram_hashes(cfg: ModelConfig, layer: int, history: Array) -> Array:
     """Row ids `[B, S, (N−1)·H]` int32 of the n-grams ending at each of the chunk's S positions.
 
     history [B, S + N − 1] integer: the N − 1 compressed token ids before the chunk (`engram_pad_id`
     before the sequence start) followed by the chunk's S tokens, all in `[0, engram_compressed_vocab_size)`
-    (checked when `history` is concrete; inside jit it is the caller's contract).
+    (the caller's contract; `check_history` checks concrete ids on the host).
     """
     primes, offsets = engram_primes(cfg, layer), engram_offsets(cfg, layer)
     mults = [int(m) for m in engram_multipliers(cfg, layer)]
     N, H = cfg.engram_max_ngram_size, cfg.engram_n_heads
-    history = jnp.asarray(history) if not isinstance(history, jax.Array) else history
+    history = jnp.asarray(history)
     if history.ndim != 2 or history.shape[1] < N:
         raise ValueError(f"history: shape {tuple(history.shape)}; expected [B, S + {N - 1}] with S ≥ 1 "
                          f"(the {N - 1} tokens before the chunk, then the chunk's tokens)")
     if not jnp.issubdtype(history.dtype, jnp.integer):
         raise ValueError(f"history: dtype {history.dtype}; expected integer token ids")
-    if not isinstance(history, jax.core.Tracer):
-        values = np.asarray(history)  # host-side check, also when a concrete array is closed over in jit
-        lo_v, hi_v = (int(values.min()), int(values.max())) if values.size else (0, 0)
-        if lo_v < 0 or hi_v >= cfg.engram_compressed_vocab_size:
-            raise ValueError(f"history: token ids span [{lo_v}, {hi_v}]; Engram hashes compressed ids in "
-                             f"[0, engram_compressed_vocab_size={cfg.engram_compressed_vocab_size})")
     S = history.shape[1] - (N - 1)
     tok = history.astype(jnp.uint32)
     digit_bits = 32 - max(primes).bit_length()
@@ -234,17 +238,16 @@ def engram_hashes(cfg: ModelConfig, layer: int, history: Array) -> Array:
 # ---------------------------------------------------------------------------------------------
 # Parameters and the gated write
 
-def init_engram_params(cfg: ModelConfig, layer: int, key: Array) -> dict:
-    """`table [Σ primes, hd]`, `wkv [(N−1)·H·hd, (hc+1)·d]` (keys first), `q_weight`/`k_weight [hc, d]`."""
-    rows = engram_table_rows(cfg, layer)
-    k_table, k_wkv = jax.random.split(key)
-    hc, d, hd, std = cfg.hc_mult, cfg.hidden_size, cfg.engram_head_dim, cfg.initializer_range
-    return {
-        "table": dense(k_table, (rows, hd), std),
-        "wkv": dense(k_wkv, (n_tables(cfg) * hd, (hc + 1) * d), std),
-        "q_weight": jnp.ones((hc, d), jnp.float32),
-        "k_weight": jnp.ones((hc, d), jnp.float32),
-    }
+class Engram(nnx.Module):
+    """Layer `layer`'s n-gram memory (SPEC §10b): `table [Σ primes, hd]`, `wkv [(N−1)·H·hd, (hc+1)·d]`
+    (keys first), `q_weight`/`k_weight [hc, d]`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        hc, d, hd, std = cfg.hc_mult, cfg.hidden_size, cfg.engram_head_dim, cfg.initializer_range
+        self.table = normal(rngs, (engram_table_rows(cfg, layer), hd), std, ("engram_rows", "engram_dim"))
+        self.wkv = normal(rngs, (n_tables(cfg) * hd, (hc + 1) * d), std, ("engram_in", "engram_out"))
+        self.q_weight = ones((hc, d), ("streams", "embed"))
+        self.k_weight = ones((hc, d), ("streams", "embed"))
 
 
 def engram_gate(a: Array) -> Array:

@@ -1,4 +1,4 @@
-"""The lightning indexer and hierarchical candidates of CSA2 (SPEC §5).
+"""The lightning indexer and hierarchical candidates of CSA2 (SPEC §5), and the `Bus` that shares them.
 
     qI = FP4-fakequant(RoPE(W_iq q_lat → [Hi, Di]))      w = W_w x · Di^-0.5 · Hi^-0.5
     score(t, i) = Σ_h w_h · relu(qI_h · ikey_i)           (float32), −inf where i is not visible
@@ -11,38 +11,59 @@
 - Reindex layers gather the pool's Indexer K first and score only those positions (`reindex_topk`),
   so their work is bounded by the pool size, not by the number of entries N.
 
-Every selection goes through `select_topk`: the chosen ids sorted ascending, padded with −1 to a
-static width. Entry i is visible to a query at position t iff `i < (t + 1) // ratio` (SPEC §4).
-With `cfg.kernel_impl == "pallas"` the scores come from the `pallas_kernels` ops, which read the
-packed Indexer K directly (DESIGN §4); the jnp code here is the "xla" path and their oracle.
+Scores come from `pallas_kernels.ops` (the reference or the kernels, `cfg.kernel_impl`), which read
+the stored Indexer K directly. Every selection goes through `select_topk`: the chosen entry ids
+sorted ascending, padded with −1 to a static width. Entry i is visible to a query at position t iff
+`i < (t + 1) // ratio` (SPEC §4). Index sources publish their selections on the `Bus`, which the
+stack threads through the layers of one call in order (SPEC §2).
 """
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
-from csa2 import cache, quant
 from csa2.config import ModelConfig
-from csa2.params import dense, linear
+from csa2.params import linear, normal
+from csa2.quant import INDEX, fake_quant
 from csa2.rope import apply_rope, rope_frequencies
-from csa2.state import GlobalKV
+from csa2.state import SourceKV
 from pallas_kernels import ops
 
 Array = jax.Array
 
 _NO_ID = jnp.iinfo(jnp.int32).max  # sorts after every real id, replaced by −1
-# einsum of qI [B, S, Hi, Di] with the two key layouts of `index_scores`.
-_SCORE_EQUATIONS = {3: "bshd,bnd->bshn", 4: "bshd,bsnd->bshn"}
 
 
-def init_indexer_params(cfg: ModelConfig, key: Array) -> dict:
+class Indexer(nnx.Module):
     """Indexer query projection `wq [q_lora_rank, Hi·Di]` and head weights `ww [d, Hi]` (SPEC §5)."""
-    kq, kw = jax.random.split(key)
-    heads = cfg.index_n_heads * cfg.index_head_dim
-    return {"wq": dense(kq, (cfg.q_lora_rank, heads), cfg.initializer_range),
-            "ww": dense(kw, (cfg.hidden_size, cfg.index_n_heads), cfg.initializer_range)}
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        heads = cfg.index_n_heads * cfg.index_head_dim
+        self.wq = normal(rngs, (cfg.q_lora_rank, heads), cfg.initializer_range, ("q_lora", "index_heads"))
+        self.ww = normal(rngs, (cfg.hidden_size, cfg.index_n_heads), cfg.initializer_range, ("embed", "index_n"))
+
+
+@chex.dataclass(frozen=True)
+class Bus:
+    """What index sources publish to later layers of the same call (SPEC §2, §5).
+
+    topk: [B, S, index_topk] int32 entry ids of the group's KV source, −1 = none.
+    candidates: [B, S, pool] int32 entry ids from the candidate source, −1 = none.
+    """
+
+    topk: Array
+    candidates: Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, s: int) -> "Bus":
+        """The bus before any index source ran: nothing selected."""
+        pool = cfg.candidate_pool_size if cfg.candidates_enabled else 0
+        return cls(topk=jnp.full((batch, s, cfg.index_topk), -1, jnp.int32),
+                   candidates=jnp.full((batch, s, pool), -1, jnp.int32))
 
 
 def index_queries(cfg: ModelConfig, params: dict, x: Array, q_lat: Array, positions: Array, *,
@@ -57,25 +78,9 @@ def index_queries(cfg: ModelConfig, params: dict, x: Array, q_lat: Array, positi
     freqs = rope_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
     q = apply_rope(q, positions[:, :, None], freqs)
     if quantize:
-        q = quant.fake_quant(q, quant.INDEX)
+        q = fake_quant(q, INDEX)
     w = linear(x, params["ww"], cfg.dtype) * (di**-0.5 * hi**-0.5)  # [B, S, Hi]
     return q, w
-
-
-def index_scores(qI: Array, w: Array, keys: Array) -> Array:
-    """Σ_h w_h · relu(qI_h · k) in float32: keys [B, N, Di] → [B, S, N]; keys [B, S, P, Di] → [B, S, P]."""
-    if keys.ndim not in _SCORE_EQUATIONS:
-        raise ValueError(f"index_scores: keys.shape={keys.shape}; pass [B, N, Di] (shared by a row's queries) "
-                         "or [B, S, P, Di] (gathered per query)")
-    dots = jnp.einsum(_SCORE_EQUATIONS[keys.ndim], qI, keys, precision=lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)  # [B, S, Hi, N]
-    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), w.astype(jnp.float32),
-                      precision=lax.Precision.HIGHEST)  # [B, S, N]
-
-
-def uses_pallas(cfg: ModelConfig) -> bool:
-    """Whether the hot paths run through the Pallas kernels (`kernel_impl="pallas"`, DESIGN §4)."""
-    return cfg.kernel_impl == "pallas"
 
 
 def visible_entries(positions: Array, ratio: int) -> Array:
@@ -94,16 +99,12 @@ def select_topk(scores: Array, valid: Array, k: int, ids: Array | None = None) -
     return jnp.pad(chosen, [(0, 0)] * (chosen.ndim - 1) + [(0, k - chosen.shape[-1])], constant_values=-1)
 
 
-def full_topk(cfg: ModelConfig, qI: Array, w: Array, gkv: GlobalKV, positions: Array,
+def full_topk(cfg: ModelConfig, qI: Array, w: Array, source: SourceKV, positions: Array,
               ratio: int) -> tuple[Array, Array]:
     """Top-`index_topk` over all visible entries of the group's Indexer K, and the masked scores [B, S, N]."""
     count = visible_entries(positions, ratio)  # [B, S]
-    visible = jnp.arange(gkv.ikey.shape[1]) < count[..., None]  # [B, S, N]
-    if uses_pallas(cfg):
-        scores = ops.indexer_scores(qI, w, gkv.ikey, gkv.ikey_scale, count, impl="pallas")  # [B, S, N], −inf masked
-    else:
-        keys = cache.decode(gkv.ikey, gkv.ikey_scale, quant.INDEX)  # [B, N, Di]
-        scores = jnp.where(visible, index_scores(qI, w, keys), -jnp.inf)  # [B, S, N]
+    scores = ops.indexer_scores(qI, w, source.ikeys(), count, impl=cfg.kernel_impl)  # [B, S, N], −inf masked
+    visible = jnp.arange(source.entries) < count[..., None]  # [B, S, N]
     return select_topk(scores, visible, cfg.index_topk), scores
 
 
@@ -124,13 +125,15 @@ def candidate_pool(cfg: ModelConfig, scores: Array, positions: Array, ratio: int
     return pool.reshape(b, s, cfg.candidate_pool_size)  # [B, S, P]
 
 
-def reindex_topk(cfg: ModelConfig, qI: Array, w: Array, gkv: GlobalKV, pool: Array, positions: Array,
+def reindex_topk(cfg: ModelConfig, qI: Array, w: Array, source: SourceKV, pool: Array, positions: Array,
                  ratio: int) -> Array:
-    """Top-`index_topk` inside the candidate pool [B, S, P]: gather its Indexer K, then score only it."""
+    """Top-`index_topk` inside the candidate pool [B, S, P]: gather its Indexer K, then score only it.
+
+    The gathered op reads the stack's flat buffer at rows `offset + id`, so nothing of size N is
+    touched; its visibility bound is shifted the same way.
+    """
     count = visible_entries(positions, ratio)  # [B, S]
+    scores = ops.indexer_scores_gathered(qI, w, source.ikey, source.rows(pool), count + source.offset,
+                                         impl=cfg.kernel_impl)  # [B, S, P], −inf where invalid
     valid = (pool >= 0) & (pool < count[..., None])  # [B, S, P]
-    if uses_pallas(cfg):
-        scores = ops.indexer_scores_gathered(qI, w, gkv.ikey, gkv.ikey_scale, pool, count, impl="pallas")
-    else:
-        scores = index_scores(qI, w, cache.gather(gkv.ikey, gkv.ikey_scale, pool, quant.INDEX))  # keys [B, S, P, Di]
     return select_topk(scores, valid, cfg.index_topk, ids=pool)

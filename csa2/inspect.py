@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from csa2.config import PRESETS, preset
-from csa2.layout import format_plan, layer_plan
+from csa2.layout import format_groups, format_plan, layer_groups, layer_plan
 from csa2.state import CACHE_FORMATS, abstract_state, kv_bytes_per_token, state_bytes, swa_bytes_per_sequence
 
 
@@ -30,6 +30,9 @@ def inspect_report(name: str, context: int, batch: int = 1, cache_format: str = 
         f"candidate source {cfg.candidate_source_layer_id}, Engram {list(cfg.engram_layer_ids)}",
         "",
         format_plan(layer_plan(cfg)),
+        "",
+        f"layer groups ({len(layer_groups(cfg))} scanned bodies; each body's runs of identical layers scanned in turn)",
+        format_groups(layer_groups(cfg)),
         "",
         f"memory ({cache_format} cache, batch {batch}, context {context:,} tokens; shapes from jax.eval_shape(init_state))",
         f"  Global KV per token            {per_token:>14,.1f} B",

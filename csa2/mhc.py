@@ -28,22 +28,25 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from csa2.config import ModelConfig
 from csa2.norm import rms_norm
-from csa2.params import dense
+from csa2.params import normal, ones, zeros
 
 Array = jax.Array
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def init_mhc_params(cfg: ModelConfig, key: Array) -> dict:
-    """One site's float32 weights: `fn` N(0, initializer_range²), `base` zeros, `scale` ones (SPEC §10)."""
-    n, d = cfg.hc_mult, cfg.hidden_size
-    width = (2 + n) * n
-    return {"fn": dense(key, (n * d, width), cfg.initializer_range),
-            "base": jnp.zeros((width,), jnp.float32),
-            "scale": jnp.ones((3,), jnp.float32)}
+class HyperConnection(nnx.Module):
+    """One mHC site's float32 weights (SPEC §10): `fn` N(0, initializer_range²), `base` zeros, `scale` ones."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        n, d = cfg.hc_mult, cfg.hidden_size
+        width = (2 + n) * n
+        self.fn = normal(rngs, (n * d, width), cfg.initializer_range, ("hc_in", "hc_mix"))
+        self.base = zeros((width,), ("hc_mix",))
+        self.scale = ones((3,), ("hc_scales",))
 
 
 def coefficients(cfg: ModelConfig, params: dict, X: Array) -> tuple[Array, Array, Array]:

@@ -8,36 +8,52 @@
 - Dispatch: "dense" gathers each token's k experts (reference); "ragged" sorts the (token, slot) pairs by
   expert and runs `jax.lax.ragged_dot` over the expert groups. Both sum the k slots in the same order.
 - Aux-loss-free balancing: `bias_update` moves the correction bias against the measured load, outside the
-  optimizer.
+  optimizer; the bias is a `RouterBias` variable, so the optimizer excludes it by type.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from csa2.config import ModelConfig
-from csa2.params import dense, linear
+from csa2.params import linear, normal, zeros
 
 Array = jax.Array
 
 _DISPATCH = ("dense", "ragged")
 
 
-def init_moe_params(cfg: ModelConfig, key: Array) -> dict:
-    """Router `[d, E]`, zero correction biases `[E]`, routed experts `[E, d, I]`/`[E, I, d]`, shared expert."""
-    d, e, i, std = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.initializer_range
-    k = jax.random.split(key, 7)
-    params = {
-        "router": dense(k[0], (d, e), std),
-        "bias": jnp.zeros((e,), jnp.float32),
-        "bias_vl": jnp.zeros((e,), jnp.float32),
-        "w1": dense(k[1], (e, d, i), std), "w3": dense(k[2], (e, d, i), std), "w2": dense(k[3], (e, i, d), std),
-    }
-    if cfg.n_shared_experts:
-        params["shared"] = {"w1": dense(k[4], (d, i), std), "w3": dense(k[5], (d, i), std),
-                            "w2": dense(k[6], (i, d), std)}
-    return params
+class RouterBias(nnx.Variable):
+    """The router's correction bias (SPEC §9): it only selects experts, and it moves by the aux-loss-free
+    rule (`bias_update`), never by the optimizer, which leaves variables of this type alone."""
+
+
+class SharedExpert(nnx.Module):
+    """The always-on shared expert: SwiGLU `w2(silu(w1 x)·(w3 x))` of width `moe_intermediate_size`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, i, std = cfg.hidden_size, cfg.moe_intermediate_size, cfg.initializer_range
+        self.w1 = normal(rngs, (d, i), std, ("embed", "mlp"))
+        self.w3 = normal(rngs, (d, i), std, ("embed", "mlp"))
+        self.w2 = normal(rngs, (i, d), std, ("mlp", "embed"))
+
+
+class MoE(nnx.Module):
+    """Router `[d, E]`, zero correction biases `[E]` (text and image tokens), routed experts
+    `[E, d, I]`/`[E, I, d]` and the shared expert (SPEC §9)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, e, i, std = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.initializer_range
+        self.router = normal(rngs, (d, e), std, ("embed", "experts"))
+        self.bias = zeros((e,), ("experts",), RouterBias)
+        self.bias_vl = zeros((e,), ("experts",), RouterBias)
+        self.w1 = normal(rngs, (e, d, i), std, ("experts", "embed", "mlp"))
+        self.w3 = normal(rngs, (e, d, i), std, ("experts", "embed", "mlp"))
+        self.w2 = normal(rngs, (e, i, d), std, ("experts", "mlp", "embed"))
+        if cfg.n_shared_experts:
+            self.shared = SharedExpert(cfg, rngs)
 
 
 def _check(cfg: ModelConfig, x: Array, image_mask: Array | None) -> None:

@@ -10,21 +10,12 @@ whose value carries RoPE because K = V, SPEC §3).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class YarnScaling:
-    """YaRN frequency interpolation parameters (released: 16, 65536, 32, 1)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
+from csa2.config import YarnScaling
 
 
 def rope_frequencies(rope_dim: int, base: float, yarn: YarnScaling | None = None) -> np.ndarray:

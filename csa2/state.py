@@ -8,13 +8,24 @@ DESIGN §2. `length[B]` (tokens committed per row) is the single source of truth
 Everything beyond `length` is scratch, so commit after verify is "set `length`", rollback is
 "keep the previous pytree" and fork is "gather rows" (all in `csa2.model`).
 
+`floor[B]` is the one other value that changes what a row reads: the decoder SWA floor of SPEC §11.
+A prefill with a replay window R ran the decoder layers (from the split on) only on the last
+T = min(R, n) tokens of its chunk, so their rings hold nothing older than `length − T`: decoder
+windows never read below `floor`. Exact prefills and decode steps leave it where it is.
+
+Every leaf has the batch axis first, so `fork` is one tree map. Same-ratio KV sources are stacked
+(`layout.kv_stacks`): `global_kv[k]` holds every source of stack k, `[B, G, N, ·]`, and the SWA
+rings of all layers are one buffer `[B, L, slots, ·]`.
+
 Cache formats: `"fp4"` stores the SPEC §8 formats (FP4/MXFP4 payloads packed two per byte with
 e4m3 / ue8m0 scales, FP8 rings with ue8m0 scales); `"float"` stores float32 values (QAT and the
-exact reference) and leaves the scale fields `None`.
+exact reference) with `scale=None`. Either way a buffer is one `Stored` value.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -23,8 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import quant
 from csa2.config import ModelConfig
+from csa2.layout import kv_stacks
+from pallas_kernels.formats import INDEX, MAIN, WINDOW, entry_bytes
+from pallas_kernels.stored import Stored
 
 CACHE_FORMATS = ("fp4", "float")
 Array = jax.Array
@@ -32,36 +45,68 @@ Array = jax.Array
 
 @chex.dataclass(frozen=True)
 class GlobalKV:
-    """One KV source's compressed cache (SPEC §4): `capacity // ratio` entries per row.
+    """The compressed cache of one stack of same-ratio KV sources (SPEC §4): `capacity // ratio` entries each.
 
-    kv:   Main KV  [B, N, head_dim // 2] uint8 (FP4 packed) | [B, N, head_dim] float32
-    ikey: Indexer K [B, N, index_head_dim // 2] uint8 (MXFP4 packed) | [B, N, index_head_dim] float32
+    kv:   Main KV, MAIN entries    [B, G, N, ·] (G sources of the stack, N = capacity // ratio)
+    ikey: Indexer K, INDEX entries [B, G, N, ·]
     """
 
-    kv: Array
-    kv_scale: Array | None  # [B, N, head_dim // 16] float8_e4m3fn, or None in float format
-    ikey: Array
-    ikey_scale: Array | None  # [B, N, index_head_dim // 32] float8_e8m0fnu, or None
+    kv: Stored
+    ikey: Stored
+
+    def source(self, slot: Array) -> "SourceKV":
+        """Source `slot` of the stack (a traced int32 is fine), as a view over the flattened buffers."""
+        b, g, n = self.kv.payload.shape[:3]
+        return SourceKV(kv=self.kv.reshape_rows(b, g * n), ikey=self.ikey.reshape_rows(b, g * n),
+                        offset=jnp.asarray(slot, jnp.int32) * n, entries=n, sources=g)
 
 
-@chex.dataclass(frozen=True)
-class SwaRing:
-    """Every layer's sliding-window KV, stacked over layers: `W + max_draft` slots, slot = pos % slots.
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "ikey", "offset"],
+                   meta_fields=["entries", "sources"])
+@dataclasses.dataclass(frozen=True)
+class SourceKV:
+    """One KV source's Global KV inside its stack, read and written in place (the stack is never copied).
 
-    kv: [L, B, slots, head_dim] float8_e4m3fn (fp4 format) | float32
+    `kv` / `ikey` are the stack's buffers flattened to `[B, G·N, ·]` (a free reshape); the source's
+    entry i is row `offset + i`. Selections (top-k, candidate pools) hold entry ids `0..N−1` (−1 =
+    none); `rows` turns them into row ids of the flat buffers for the gathers.
     """
 
-    kv: Array
-    scale: Array | None  # [L, B, slots, head_dim // 32] float8_e8m0fnu, or None
+    kv: Stored
+    ikey: Stored
+    offset: Array  # int32 scalar: slot · N
+    entries: int  # N
+    sources: int  # G
+
+    def rows(self, ids: Array) -> Array:
+        """Row ids of the flat buffers for entry ids (−1 stays −1)."""
+        return jnp.where(ids >= 0, ids + self.offset, -1)
+
+    def ikeys(self) -> Stored:
+        """This source's Indexer K `[B, N, ·]`, for the full scan that reads every entry anyway."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, self.offset, self.entries, axis=1), self.ikey)
+
+    def write(self, entry: Array, main: Stored, ikey: Stored, valid: Array) -> "SourceKV":
+        """Entries `entry [B, n]` (written where `valid [B, n]`) of this source; nothing else changes: an
+        entry outside `[0, N)` is dropped, never written into a neighbouring source of the stack."""
+        valid = valid & (entry >= 0) & (entry < self.entries)
+        rows = entry + self.offset
+        return dataclasses.replace(self, kv=self.kv.write(rows, main, valid), ikey=self.ikey.write(rows, ikey, valid))
+
+    def stack(self) -> GlobalKV:
+        """The stack's buffers back in their `[B, G, N, ·]` shape."""
+        b = self.kv.payload.shape[0]
+        return GlobalKV(kv=self.kv.reshape_rows(b, self.sources, self.entries),
+                        ikey=self.ikey.reshape_rows(b, self.sources, self.entries))
 
 
 @chex.dataclass(frozen=True)
 class CompressorTail:
-    """Pre-pool projections of a ratio-r source's recent tokens (SPEC §4), slot = pos % slots.
+    """Pre-pool projections of a stack's ratio-r sources' recent tokens (SPEC §4), slot = pos % slots.
 
     Only the incomplete group `[r·(length // r), length)` is ever read; `ratio + max_draft`
     slots keep it intact while a verify block writes speculative positions after it.
-    kv, gate: [B, slots, head_dim] float32 (W_ckv x and W_cg x).
+    kv, gate: [B, G, slots, head_dim] float32 (W_ckv x and W_cg x); 0 slots for ratio-1 sources.
     """
 
     kv: Array
@@ -85,10 +130,10 @@ class State:
     """All per-request state of the model (DESIGN §2)."""
 
     length: Array  # [B] int32 committed tokens per row
-    floor: Array  # [B] int32 decoder SWA floor: replay prefill ran decoder layers only from here (SPEC §11)
-    global_kv: tuple[GlobalKV, ...]  # one per KV source, in kv_source_layer_ids order
-    swa: SwaRing
-    tails: tuple[CompressorTail, ...]  # one per KV source (empty arrays for ratio-1 sources)
+    floor: Array  # [B] int32 decoder SWA floor (SPEC §11): see the module docstring
+    global_kv: tuple[GlobalKV, ...]  # one per stack of `layout.kv_stacks(cfg)`
+    swa: Stored  # every layer's SWA ring, WINDOW entries [B, L, W + max_draft, ·], slot = pos % slots
+    tails: tuple[CompressorTail, ...]  # one per stack of `layout.kv_stacks(cfg)`
     tokens: Array  # [B, history_slots] int32 Engram token history, slot = pos % history_slots
     accept: AcceptBuffer
 
@@ -117,20 +162,6 @@ def token_granule(cfg: ModelConfig) -> int:
     return math.lcm(1, *(r for r in cfg.compress_ratios if r > 0))
 
 
-def _quantized(fn, dim: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    """Shapes/dtypes of one quantized entry, read from the quantizer itself."""
-    return jax.eval_shape(fn, jax.ShapeDtypeStruct((dim,), jnp.float32))
-
-
-def _entries(lead: tuple[int, ...], entry: jax.ShapeDtypeStruct) -> Array:
-    return jnp.zeros(lead + entry.shape, entry.dtype)
-
-
-def _scales(lead: tuple[int, ...], entry: jax.ShapeDtypeStruct) -> Array:
-    """Empty scales are 1: ue8m0 has no zero (0.0 would become NaN and poison masked reads)."""
-    return jnp.ones(lead + entry.shape, entry.dtype)
-
-
 def _is_count(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -153,29 +184,19 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int, cache_format: str = 
     """An empty state for `batch` rows of up to `capacity` tokens (all lengths 0)."""
     validate_state_args(cfg, batch, capacity, cache_format)
     packed = cache_format == "fp4"
-    f32 = jax.ShapeDtypeStruct((cfg.head_dim,), jnp.float32)
-    f32_index = jax.ShapeDtypeStruct((cfg.index_head_dim,), jnp.float32)
-    main = _quantized(quant.quantize_main, cfg.head_dim) if packed else (f32, None)
-    index = _quantized(quant.quantize_index, cfg.index_head_dim) if packed else (f32_index, None)
-    window = _quantized(quant.quantize_window, cfg.head_dim) if packed else (f32, None)
-
-    def maybe(lead, entry):
-        return None if entry is None else _scales(lead, entry)
-
     global_kv, tails = [], []
-    for src in cfg.kv_source_layer_ids:
-        ratio = cfg.compress_ratios[src]
-        lead = (batch, capacity // ratio)
-        global_kv.append(GlobalKV(kv=_entries(lead, main[0]), kv_scale=maybe(lead, main[1]),
-                                  ikey=_entries(lead, index[0]), ikey_scale=maybe(lead, index[1])))
-        t = (batch, tail_slots(cfg, ratio), cfg.head_dim)
+    for sources in kv_stacks(cfg):
+        ratio = cfg.compress_ratios[sources[0]]
+        lead = (batch, len(sources), capacity // ratio)
+        global_kv.append(GlobalKV(kv=Stored.empty(lead, cfg.head_dim, MAIN, packed),
+                                  ikey=Stored.empty(lead, cfg.index_head_dim, INDEX, packed)))
+        t = (batch, len(sources), tail_slots(cfg, ratio), cfg.head_dim)
         tails.append(CompressorTail(kv=jnp.zeros(t, jnp.float32), gate=jnp.zeros(t, jnp.float32)))
-    ring_lead = (cfg.num_hidden_layers, batch, ring_slots(cfg))
     return State(
         length=jnp.zeros((batch,), jnp.int32),
         floor=jnp.zeros((batch,), jnp.int32),
         global_kv=tuple(global_kv),
-        swa=SwaRing(kv=_entries(ring_lead, window[0]), scale=maybe(ring_lead, window[1])),
+        swa=Stored.empty((batch, cfg.num_hidden_layers, ring_slots(cfg)), cfg.head_dim, WINDOW, packed),
         tails=tuple(tails),
         tokens=jnp.full((batch, history_slots(cfg)), cfg.engram_pad_id, jnp.int32),
         accept=AcceptBuffer(tokens=jnp.zeros((batch, cfg.max_draft + 1), jnp.int32),
@@ -214,7 +235,7 @@ def kv_bytes_per_token(cfg: ModelConfig, cache_format: str = "fp4") -> float:
     890.0 for `v41_flash` in fp4: (3 × ½ + 1) × (288 + 68).
     """
     if cache_format == "fp4":
-        entry = quant.entry_bytes(quant.MAIN, cfg.head_dim) + quant.entry_bytes(quant.INDEX, cfg.index_head_dim)
+        entry = entry_bytes(MAIN, cfg.head_dim) + entry_bytes(INDEX, cfg.index_head_dim)
     elif cache_format == "float":
         entry = 4 * (cfg.head_dim + cfg.index_head_dim)
     else:
@@ -225,7 +246,7 @@ def kv_bytes_per_token(cfg: ModelConfig, cache_format: str = "fp4") -> float:
 def swa_bytes_per_sequence(cfg: ModelConfig, cache_format: str = "fp4") -> int:
     """SPEC §8's fixed SWA cost: every layer keeps W window entries (excluding verify slots)."""
     if cache_format == "fp4":
-        entry = quant.entry_bytes(quant.WINDOW, cfg.head_dim)
+        entry = entry_bytes(WINDOW, cfg.head_dim)
     elif cache_format == "float":
         entry = 4 * cfg.head_dim
     else:
@@ -237,5 +258,4 @@ def capacity(cfg: ModelConfig, state: State) -> int:
     """Tokens per row the state can hold (static: read from the Global KV shapes)."""
     if not state.global_kv:
         raise ValueError("capacity: the config has no KV source, so the state has no token capacity")
-    src = cfg.kv_source_layer_ids[0]
-    return state.global_kv[0].kv.shape[1] * cfg.compress_ratios[src]
+    return state.global_kv[0].kv.rows * cfg.compress_ratios[kv_stacks(cfg)[0][0]]

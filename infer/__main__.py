@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _prompts(args) -> list[str]:
     """The --prompt texts, then the non-empty lines of --batch-file (strict UTF-8)."""
-    from train.data import validate_utf8
+    from csa2.tokenizer import validate_utf8
 
     texts = list(args.prompt)
     if args.batch_file is not None:
@@ -61,10 +61,10 @@ def _main(args) -> None:
     texts = _prompts(args)
     import jax
 
-    from csa2.model import EXACT, ReplayPolicy
+    from csa2.checkpoint import load_config, restore_params
+    from csa2.replay import EXACT, ReplayPolicy
+    from csa2.tokenizer import decode, encode
     from infer.generate import Sampling, lower, plan, run
-    from train.checkpoint import load_config, restore_params
-    from train.data import decode, encode
 
     cfg = load_config(args.checkpoint, args.step)
     replay = EXACT if args.exact else ReplayPolicy(window=args.replay_window)

@@ -1,21 +1,30 @@
-"""`python -m infer.bench_model`: compile time, decode step time and the bounded-replay saving (SPEC §11, DESIGN §8).
+"""`python -m infer.bench_model`: compile time, decode step time, donation, batched throughput and the
+bounded-replay saving (SPEC §11, DESIGN §8).
 
     python -m infer.bench_model [--config tiny] [--contexts 2048 8192] [--decode-contexts 512 2048]
-                                [--reps 3] [--decode-steps 20] [--decode-fill prefill|length] [--quick]
+                                [--reps 3] [--decode-steps 20] [--decode-fill prefill|length]
+                                [--donation-context 64512] [--donation-batch 16] [--batches 1 8 32] [--quick]
 
 Prints one JSON line per measurement; every line carries the machine and the config, so a line read
 alone says where it was measured. On a shared CPU absolute times are noisy, so what this script is
 for is the **ratios measured side by side in the same run**: bounded (`ReplayPolicy(window=128)`)
 vs exact prefill wall time, interleaved rep by rep, next to the token×layer work ratio that
-`prefill_with_work` reports (SPEC §11: `(20·N + 20·T) / (40·N)` for the released split).
+`prefill` reports in its aux output (SPEC §11: `(20·N + 20·T) / (40·N)` for the released split).
 
-Measurements (batch 1, cache format fp4):
-- `compile`: lower and compile seconds of `_decode_step` (per state capacity) and `_prefill`
-  (per prompt length and replay policy), via `jit(...).lower(...).compile()`;
-- `decode`: median steady-state `decode_step` seconds at each decode context, the contexts
+Measurements (cache format fp4):
+- `compile`: lower and compile seconds of `decode_step` (per state capacity) and `prefill`
+  (per prompt length and replay policy), via `.lower(...).compile()`;
+- `decode`: median steady-state `decode_step` seconds at each decode context (batch 1), the contexts
   interleaved step by step, and their ratio;
+- `donation`: a host-driven decode loop at `--donation-context` tokens × `--donation-batch` rows
+  with the state donated (as `decode_step` is) and with the undonated twin, steps interleaved: step
+  times and what XLA plans for the outputs (without donation every step writes a new copy of the
+  state; with it the outputs alias the inputs);
+- `batch`: `infer.generate` on random weights, prompt 256 and 64 new tokens (greedy, no EOS), at
+  each of `--batches`: new tokens per second after compilation and the ratio to batch 1, end to end
+  and for the decode loop alone (the wall minus that of a one-token `generate`: prefill + first draw);
 - `prefill_replay`: median bounded and exact prefill seconds at each prompt length (capacity = prompt
-  length), their ratio, and the work ratio.
+  length, batch 1), their ratio, and the work ratio.
 
 Before running a prefill the compiled executable's `memory_analysis()` is checked against the
 memory budget (`--mem-budget-gib`, default 24, and what the OS says is available); a context that
@@ -39,8 +48,9 @@ import numpy as np
 
 from csa2 import model
 from csa2.config import PRESETS, preset
-from csa2.model import EXACT, ReplayPolicy
+from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state, state_bytes, token_granule
+from infer import generate
 
 CACHE_FORMAT = "fp4"
 GIB = 1 << 30
@@ -159,7 +169,7 @@ def _memory(compiled) -> dict | None:
     if ma is None:
         return None
     return {"argument_gib": _r(ma.argument_size_in_bytes / GIB), "output_gib": _r(ma.output_size_in_bytes / GIB),
-            "temp_gib": _r(ma.temp_size_in_bytes / GIB)}
+            "temp_gib": _r(ma.temp_size_in_bytes / GIB), "aliased_gib": _r(ma.alias_size_in_bytes / GIB)}
 
 
 def _timed(fn, *args) -> tuple[float, tuple]:
@@ -184,7 +194,7 @@ def bench_decode(rep: Reporter, cfg, params, contexts: list[int], steps: int, wa
         state = init_state(cfg, 1, cap, CACHE_FORMAT)
         if fill == "prefill":
             # A real prompt of `ctx` tokens through the default (bounded) replay prefill.
-            prefill_c, lower_s, compile_s = _compile(model._prefill, cfg, params, state, _tokens(cfg, ctx, seed),
+            prefill_c, lower_s, compile_s = _compile(model.prefill, cfg, params, state, _tokens(cfg, ctx, seed),
                                                      jnp.full((1,), ctx, jnp.int32), ReplayPolicy())
             rep.emit("compile", fn="prefill", context=ctx, capacity=cap, replay=_policy_name(ReplayPolicy()),
                      lower_s=_r(lower_s, 3), compile_s=_r(compile_s, 3), purpose="fill decode state",
@@ -195,7 +205,7 @@ def bench_decode(rep: Reporter, cfg, params, contexts: list[int], steps: int, wa
             state = state.replace(length=jnp.full((1,), ctx, jnp.int32))
         jax.block_until_ready(state)
         tok = jnp.full((1,), 65, jnp.int32)
-        step, lower_s, compile_s = _compile(model._decode_step, cfg, params, state, tok)
+        step, lower_s, compile_s = _compile(model.decode_step, cfg, params, state, tok)
         rep.emit("compile", fn="decode_step", context=ctx, capacity=cap, lower_s=_r(lower_s, 3),
                  compile_s=_r(compile_s, 3), total_s=_r(lower_s + compile_s, 3), memory=_memory(step),
                  state_gib=_r(state_bytes(state)["total"] / GIB, 5))
@@ -220,6 +230,67 @@ def bench_decode(rep: Reporter, cfg, params, contexts: list[int], steps: int, wa
                  first_call_s=_r(r["first_s"], 4), tokens_per_s=_r(1.0 / med, 2),
                  ratio_to_first_context=_r(med / base), first_context=runs[0]["ctx"],
                  final_length=int(r["state"].length[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Donation: a host-driven decode loop with and without donating the state
+
+def bench_donation(rep: Reporter, cfg, params, context: int, batch: int, steps: int) -> None:
+    """`decode_step` (state donated) and its undonated twin on equal states of `batch` rows at `context`
+    tokens, steps interleaved. Without donation each step allocates and writes a new copy of the whole
+    state; with it the outputs alias the inputs (`aliased_gib`)."""
+    cap = _round_up(context + steps + 2, max(64, token_granule(cfg)))
+    tok = jnp.full((batch,), 65, jnp.int32)
+    runs = {}
+    for key, fn in (("donated", model.decode_step), ("undonated", model.decode_step.without_donation())):
+        state = init_state(cfg, batch, cap, CACHE_FORMAT).replace(length=jnp.full((batch,), context, jnp.int32))
+        compiled = fn.lower(cfg, params, state, tok).compile()
+        _, state = compiled(params, state, tok)  # warm-up
+        runs[key] = {"step": compiled, "state": state, "times": [], "memory": _memory(compiled)}
+    for _ in range(steps):
+        for r in runs.values():
+            dt, (_, r["state"]) = _timed(r["step"], params, r["state"], tok)
+            r["times"].append(dt)
+    med = {k: statistics.median(r["times"]) for k, r in runs.items()}
+    rep.emit("donation", context=context, capacity=cap, batch=batch, steps=steps,
+             state_gib=_r(state_bytes(runs["donated"]["state"])["total"] / GIB, 5),
+             median_step_s={k: _r(v, 6) for k, v in med.items()},
+             undonated_over_donated=_r(med["undonated"] / med["donated"]),
+             memory={k: r["memory"] for k, r in runs.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched generation throughput
+
+def bench_batch(rep: Reporter, cfg, params, batches: list[int], prompt_len: int, new_tokens: int, seed: int) -> None:
+    """`generate` at each batch size on the same kind of input: tokens/s after compilation and its ratio
+    to the first batch, end to end and for the decode loop alone (the wall minus that of a one-token
+    `generate`, which is the prefill and the first draw)."""
+    rng = np.random.default_rng(seed)
+    rates, decode_rates = {}, {}
+
+    def wall(prompts, n):
+        batch = generate.plan(cfg, prompts, max_new_tokens=n, eos_id=None, seed=seed)
+        t0 = time.perf_counter()
+        compiled = generate.lower(cfg, params, batch).compile()
+        compile_s = time.perf_counter() - t0
+        generate.run(cfg, params, batch, compiled)  # warm-up
+        times = [_timed(lambda: jax.block_until_ready(generate.run(cfg, params, batch, compiled).tokens))[0]
+                 for _ in range(2)]
+        return min(times), compile_s
+
+    for b in batches:
+        prompts = rng.integers(0, min(cfg.vocab_size, 256), size=(b, prompt_len)).astype(np.int32)
+        total, compile_s = wall(prompts, new_tokens)
+        prefill, _ = wall(prompts, 1)
+        rates[b] = b * new_tokens / total
+        decode_rates[b] = b * (new_tokens - 1) / max(total - prefill, 1e-9)
+        rep.emit("batch", batch=b, prompt=prompt_len, new_tokens=new_tokens, compile_s=_r(compile_s, 2),
+                 wall_s=_r(total), prefill_s=_r(prefill), tokens_per_s=_r(rates[b], 1),
+                 decode_tokens_per_s=_r(decode_rates[b], 1), ratio_to_batch=batches[0],
+                 ratio=_r(rates[b] / rates[batches[0]], 3),
+                 decode_ratio=_r(decode_rates[b] / decode_rates[batches[0]], 3))
+        _log(f"batch {b}: {rates[b]:.1f} tokens/s end to end, {decode_rates[b]:.1f} in the decode loop")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +320,9 @@ def bench_prefill(rep: Reporter, cfg, params, n: int, reps: int, budget_gib: flo
     compiled, memory = {}, {}
     for key, replay in policies.items():
         replay.validate(cfg)
-        c, lower_s, compile_s = _compile(model._prefill, cfg, params, state, tokens, n_valid, replay)
+        # Timed reps reuse one input state, so the prefill here keeps it (no donation).
+        c, lower_s, compile_s = _compile(model.prefill.without_donation(), cfg, params, state, tokens, n_valid,
+                                         replay)
         compiled[key], memory[key] = c, _memory(c)
         rep.emit("compile", fn="prefill", context=n, capacity=n, replay=_policy_name(replay), lower_s=_r(lower_s, 3),
                  compile_s=_r(compile_s, 3), total_s=_r(lower_s + compile_s, 3), memory=memory[key])
@@ -266,8 +339,8 @@ def bench_prefill(rep: Reporter, cfg, params, n: int, reps: int, budget_gib: flo
     first, work = {}, {}
     try:
         for key in policies:
-            first[key], (_, _, w) = _timed(compiled[key], params, state, tokens, n_valid)
-            work[key] = int(w)
+            first[key], (_, _, aux) = _timed(compiled[key], params, state, tokens, n_valid)
+            work[key] = int(aux["work"])
     except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED: report and let the caller fall back
         rep.emit("prefill_replay", context=n, context_requested=requested or n, status="failed",
                  error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -321,7 +394,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-fill", choices=("prefill", "length"), default="prefill",
                     help="fill the decode state by a real bounded prefill, or only set its length (no extra compile)")
     ap.add_argument("--mem-budget-gib", type=float, default=24.0, help="RAM budget for one prefill")
-    ap.add_argument("--skip", choices=("decode", "prefill"), action="append", default=[], help="skip a part")
+    ap.add_argument("--donation-context", type=int, default=None,
+                    help="tokens in the state for the donation comparison "
+                         "(default max_position_embeddings − 1024; --quick: 16384)")
+    ap.add_argument("--donation-batch", type=int, default=None,
+                    help="rows in the state for the donation comparison (default 16; --quick: 1)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="generate batch sizes (default 1 8 32; --quick: 1 8)")
+    ap.add_argument("--skip", choices=("decode", "donation", "batch", "prefill"), action="append", default=[],
+                    help="skip a part")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
     return ap
@@ -352,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if "decode" not in args.skip:
         bench_decode(rep, cfg, params, decode_contexts, steps, args.decode_warmup, args.decode_fill, args.seed)
+    if "donation" not in args.skip:
+        context = args.donation_context or (16384 if args.quick else cfg.max_position_embeddings - 1024)
+        bench_donation(rep, cfg, params, context, args.donation_batch or (1 if args.quick else 16), steps)
+    if "batch" not in args.skip:
+        bench_batch(rep, cfg, params, args.batches or ([1, 8] if args.quick else [1, 8, 32]), 256,
+                    16 if args.quick else 64, args.seed)
     if "prefill" not in args.skip:
         for n in contexts:
             m = n

@@ -32,7 +32,7 @@ import numpy as np
 
 from csa2 import model
 from csa2.config import EOS_ID, PAD_ID, ModelConfig
-from csa2.model import ReplayPolicy
+from csa2.replay import ReplayPolicy
 from csa2.state import State, init_state, token_granule, validate_state_args
 
 Array = jax.Array
@@ -129,7 +129,7 @@ def generate_loop(cfg: ModelConfig, params: dict, tokens: Array, n_valid: Array,
     b = tokens.shape[0]
     draw = functools.partial(sample, temperature=temperature, top_p=top_p)
     state = init_state(cfg, b, capacity, cache_format)
-    logits, state, _ = model._prefill(cfg, params, state, tokens, n_valid, replay)
+    logits, state, _ = model.prefill(cfg, params, state, tokens, n_valid, replay)
     key, sub = jax.random.split(key)
     first = draw(logits, sub)
     out = jnp.full((b, max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(first)
@@ -142,7 +142,7 @@ def generate_loop(cfg: ModelConfig, params: dict, tokens: Array, n_valid: Array,
     def step_fn(carry):
         step, state, out, done, lengths, key = carry
         prev = jax.lax.dynamic_index_in_dim(out, step - 1, axis=1, keepdims=False)  # [B]
-        logits, new = model._decode_step(cfg, params, state, prev)
+        logits, new = model.decode_step(cfg, params, state, prev)
         state = new.replace(length=jnp.where(done, state.length, new.length))  # done rows write scratch only
         key, sub = jax.random.split(key)
         token = jnp.where(done, PAD_ID, draw(logits, sub))
@@ -223,8 +223,8 @@ def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampli
     if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
         raise ValueError(f"eos_id={eos_id!r}: must be a token id in [0, {cfg.vocab_size}), or None for no EOS")
     if not isinstance(replay, ReplayPolicy):
-        raise ValueError(f"replay={replay!r}: pass a csa2.model.ReplayPolicy (EXACT for the reference mode)")
-    replay.validate(cfg)
+        raise ValueError(f"replay={replay!r}: pass a csa2.replay.ReplayPolicy (EXACT for the reference mode)")
+    replay.check(cfg)
     if not _is_int(seed) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r}: must be an integer in [0, 2**32) (a 32-bit PRNG seed)")
     for i, row in enumerate(rows):

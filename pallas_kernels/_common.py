@@ -1,6 +1,6 @@
-"""Argument checks shared by the oracles and the kernels, and backend plumbing for `pallas_call`.
+"""Argument checks shared by the reference and the kernels, and backend plumbing for `pallas_call`.
 
-Kernels take plain arrays only (DESIGN §4). Public boundaries raise ValueError naming the field,
+Kernels take plain arrays and `Stored` buffers, never model objects (DESIGN §4). Public boundaries raise ValueError naming the field,
 the value and the fix (DESIGN §7).
 """
 
@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._formats import INDEX_BLOCK, MAIN_BLOCK, WINDOW_BLOCK
+from pallas_kernels.formats import INDEX, MAIN, WINDOW, QuantFormat
+from pallas_kernels.stored import Stored
 
 Array = jax.Array
 
@@ -65,46 +66,57 @@ def _need(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _check_store(name: str, data: Array, scale: Array | None, b: int, d: int, block: int,
-                 payload: str, scale_dtypes: tuple) -> None:
-    """A stored buffer `[B, rows, ·]`: packed (payload + scales) or float32 `[B, rows, D]` + None."""
+def _check_store(name: str, store: Stored, fmt: QuantFormat, b: int, d: int) -> None:
+    """A per-row stored buffer `[B, rows, ·]` of `d`-feature entries in format `fmt` (packed or float)."""
+    _need(isinstance(store, Stored), f"{name}: {type(store).__name__}; pass a pallas_kernels.stored.Stored")
+    _need(store.fmt == fmt, f"{name}: entries in format {store.fmt.name!r}; this argument holds {fmt.name!r} entries")
+    data = store.payload
     _need(data.ndim == 3 and data.shape[0] == b,
-          f"{name}.shape={data.shape}: expected [B={b}, rows, ...], one buffer per batch row")
+          f"{name}.payload.shape={data.shape}: expected [B={b}, rows, ...], one buffer per batch row")
     rows = data.shape[1]
-    if scale is None:
+    if not store.packed:
         _need(jnp.issubdtype(data.dtype, jnp.floating) and data.shape[2] == d,
-              f"{name}: {data.dtype}{list(data.shape)} with {name}_scale=None; a float cache must be "
-              f"[B, rows, D={d}] floating, or pass the packed payload with its scales")
+              f"{name}: float storage {data.dtype}{list(data.shape)}; expected [B, rows, D={d}] floating")
         return
-    width = d // 2 if payload == "e2m1" else d
-    want = jnp.uint8 if payload == "e2m1" else jnp.float8_e4m3fn
-    _need(data.dtype in (jnp.uint8, want) and data.shape[2] == width,
-          f"{name}: {data.dtype}{list(data.shape)}; packed {payload} payload must be {jnp.dtype(want).name} "
-          f"[B, rows, {width}] for D={d}")
-    _need(scale.shape == (b, rows, d // block) and (scale.dtype in scale_dtypes or scale.dtype == jnp.uint8),
-          f"{name}_scale: {scale.dtype}{list(scale.shape)}; expected {jnp.dtype(scale_dtypes[0]).name} "
-          f"[B={b}, rows={rows}, D/{block}={d // block}]")
+    width = fmt.payload_width(d)
+    _need(data.dtype in (jnp.uint8, fmt.payload_dtype) and data.shape[2] == width,
+          f"{name}.payload: {data.dtype}{list(data.shape)}; packed {fmt.name} payload must be "
+          f"{jnp.dtype(fmt.payload_dtype).name} [B, rows, {width}] for D={d}")
+    _need(store.scale.shape == (b, rows, d // fmt.block) and store.scale.dtype in (fmt.scale_dtype, jnp.uint8),
+          f"{name}.scale: {store.scale.dtype}{list(store.scale.shape)}; expected {jnp.dtype(fmt.scale_dtype).name} "
+          f"[B={b}, rows={rows}, D/{fmt.block}={d // fmt.block}]")
 
 
-def check_sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, window_idx) -> None:
+def _check_ids(name: str, idx: Array, b: int, s: int) -> None:
+    _need(idx.ndim == 3 and idx.shape[:2] == (b, s) and jnp.issubdtype(idx.dtype, jnp.integer),
+          f"{name}: {idx.dtype}{list(idx.shape)}; expected int32 [B={b}, S={s}, entries], −1 = skip")
+
+
+def check_sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx) -> None:
     """Shapes and dtypes of `sparse_attention`'s arguments (see ops.sparse_attention)."""
     _need(q.ndim == 4, f"q.shape={q.shape}: expected [B, S, H, D]")
     b, s, h, d = q.shape
-    _need(d % 32 == 0, f"q.shape[-1]={d}: the latent D must be a multiple of 32 (window scale block)")
+    _need(d % WINDOW.block == 0, f"q.shape[-1]={d}: the latent D must be a multiple of {WINDOW.block} (window scale block)")
     _need(sink.shape == (h,), f"sink.shape={sink.shape}: expected [H={h}], one sink logit per head")
-    _check_store("main", main, main_scale, b, d, MAIN_BLOCK, "e2m1", (jnp.float8_e4m3fn,))
-    _check_store("window", window, window_scale, b, d, WINDOW_BLOCK, "e4m3", (jnp.float8_e8m0fnu,))
-    for name, idx in (("main_idx", main_idx), ("window_idx", window_idx)):
-        _need(idx.ndim == 3 and idx.shape[:2] == (b, s) and jnp.issubdtype(idx.dtype, jnp.integer),
-              f"{name}: {idx.dtype}{list(idx.shape)}; expected int32 [B={b}, S={s}, entries], −1 = skip")
+    _check_store("main", main, MAIN, b, d)
+    _check_store("window", window, WINDOW, b, d)
+    _check_ids("main_idx", main_idx, b, s)
+    _check_ids("window_idx", window_idx, b, s)
 
 
-def check_indexer(q, w, ikey, ikey_scale, visible) -> None:
-    """Shapes and dtypes of the indexer ops' shared arguments (see ops.indexer_scores)."""
+def check_indexer(q, w, ikey: Stored, visible, ids=None) -> None:
+    """Shapes and dtypes of the indexer ops' arguments (see ops.indexer_scores / indexer_scores_gathered)."""
     _need(q.ndim == 4, f"q.shape={q.shape}: expected [B, S, Hi, Di]")
     b, s, hi, di = q.shape
-    _need(di % INDEX_BLOCK == 0, f"q.shape[-1]={di}: the index head dim must be a multiple of {INDEX_BLOCK}")
+    _need(di % INDEX.block == 0, f"q.shape[-1]={di}: the index head dim must be a multiple of {INDEX.block}")
     _need(w.shape == (b, s, hi), f"w.shape={w.shape}: expected [B, S, Hi]={(b, s, hi)}")
-    _check_store("ikey", ikey, ikey_scale, b, di, INDEX_BLOCK, "e2m1", (jnp.float8_e8m0fnu,))
+    _check_store("ikey", ikey, INDEX, b, di)
     _need(visible.shape == (b, s) and jnp.issubdtype(visible.dtype, jnp.integer),
           f"visible: {visible.dtype}{list(visible.shape)}; expected int32 [B={b}, S={s}] entry counts")
+    if ids is not None:
+        _check_ids("ids", ids, b, s)
+
+
+def check_block_max(scores, block: int) -> None:
+    _need(isinstance(block, int) and block >= 1 and scores.ndim == 3,
+          f"block_max: scores.shape={scores.shape}, block={block!r}; expected [B, S, N] and an integer block ≥ 1")

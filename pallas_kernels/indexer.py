@@ -28,7 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
-from pallas_kernels._formats import load_entries, stored
+from pallas_kernels.formats import INDEX, decode_entries
+from pallas_kernels.stored import Stored
 
 Array = jax.Array
 
@@ -45,7 +46,7 @@ def _scores_kernel(*refs, packed: bool, block_n: int):
     q_ref, w_ref, vis_ref, k_ref = refs[:4]
     ks_ref = refs[4] if packed else None
     o_ref = refs[-1]
-    keys = load_entries(k_ref[...], None if ks_ref is None else ks_ref[...], "index")  # [BN, Di]
+    keys = decode_entries(k_ref[...], None if ks_ref is None else ks_ref[...], INDEX)  # [BN, Di]
     scores = _score_block(q_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32), keys)  # [BS, BN]
     col = pl.program_id(2) * block_n + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
     o_ref[...] = jnp.where(col < vis_ref[...], scores, -jnp.inf)  # vis [BS, 1]
@@ -60,10 +61,10 @@ def _pick_block_n(n: int, block_n: int, least: int) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_s", "block_n", "num_warps"))
-def _indexer_scores(q, w, ikey, ikey_scale, visible, *, interpret, block_s, block_n, num_warps):
+def _indexer_scores(q, w, ikey: Stored, visible, *, interpret, block_s, block_n, num_warps):
     b, s, hi, di = q.shape
-    n = ikey.shape[1]
-    ikey, ikey_scale = stored(ikey, ikey_scale)
+    n = ikey.rows
+    ikey, ikey_scale = ikey.bits()
     bs = min(block_s, _common.next_pow2(s))
     bs = max(bs, _common.next_pow2(-(-_common.min_block(interpret) // hi)))  # dot rows bs·Hi ≥ 16 on GPU
     sp = _common.round_up(s, bs)
@@ -87,15 +88,15 @@ def _indexer_scores(q, w, ikey, ikey_scale, visible, *, interpret, block_s, bloc
     return out[:, :s, :n]
 
 
-def indexer_scores(q, w, ikey, ikey_scale, visible, *, interpret: bool | None = None, block_s: int = 8,
+def indexer_scores(q, w, ikey: Stored, visible, *, interpret: bool | None = None, block_s: int = 8,
                    block_n: int = 256, num_warps: int = 4) -> Array:
     """Pallas version of `reference.indexer_scores`: [B, S, N] float32, −inf where n ≥ visible[b, s].
 
     block_s query rows × block_n keys per program (powers of two). On GPU keep block_s · Hi ≥ 16.
     """
-    _common.check_indexer(q, w, ikey, ikey_scale, visible)
+    _common.check_indexer(q, w, ikey, visible)
     _check_pow2(block_s=block_s, block_n=block_n)
-    return _indexer_scores(q, w, ikey, ikey_scale, visible, interpret=_common.resolve_interpret(interpret),
+    return _indexer_scores(q, w, ikey, visible, interpret=_common.resolve_interpret(interpret),
                            block_s=block_s, block_n=block_n, num_warps=num_warps)
 
 
@@ -106,16 +107,16 @@ def _gathered_kernel(*refs, packed: bool):
     ids = ids_ref[...]  # [BP]
     found = (ids >= 0) & (ids < k_ref.shape[0])
     row = jnp.where(found, ids, 0)
-    keys = load_entries(k_ref[row, :], None if ks_ref is None else ks_ref[row, :], "index")  # [BP, Di]
+    keys = decode_entries(k_ref[row, :], None if ks_ref is None else ks_ref[row, :], INDEX)  # [BP, Di]
     scores = _score_block(q_ref[...].astype(jnp.float32)[None], w_ref[...].astype(jnp.float32)[None], keys)[0]
     o_ref[...] = jnp.where(found & (ids < vis_ref[...]), scores, -jnp.inf)  # vis [1]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_p", "num_warps"))
-def _indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, *, interpret, block_p, num_warps):
+def _indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, interpret, block_p, num_warps):
     b, s, hi, di = q.shape
     p = ids.shape[-1]
-    ikey, ikey_scale = stored(ikey, ikey_scale)
+    ikey, ikey_scale = ikey.bits()
     bp = max(_common.min_block(interpret), min(block_p, _common.next_pow2(max(p, 1))))
     pp = _common.round_up(max(p, 1), bp)
     ids = _common.pad_axis(ids.astype(jnp.int32), 2, pp, -1)
@@ -136,14 +137,12 @@ def _indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, *, interpret,
     return out[:, :, :p]
 
 
-def indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, *, interpret: bool | None = None,
+def indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, interpret: bool | None = None,
                             block_p: int = 256, num_warps: int = 4) -> Array:
     """Pallas version of `reference.indexer_scores_gathered`: [B, S, P] float32, −inf where id < 0 or id ≥ visible."""
-    _common.check_indexer(q, w, ikey, ikey_scale, visible)
-    if ids.ndim != 3 or ids.shape[:2] != q.shape[:2]:
-        raise ValueError(f"ids.shape={ids.shape}: expected [B, S, P] int32 candidate ids with B, S of q {q.shape[:2]}")
+    _common.check_indexer(q, w, ikey, visible, ids)
     _check_pow2(block_p=block_p)
-    return _indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, interpret=_common.resolve_interpret(interpret),
+    return _indexer_scores_gathered(q, w, ikey, ids, visible, interpret=_common.resolve_interpret(interpret),
                                     block_p=block_p, num_warps=num_warps)
 
 
@@ -175,8 +174,7 @@ def _block_max(scores, *, block, interpret, block_s, block_b, num_warps):
 def block_max(scores, block: int, *, interpret: bool | None = None, block_s: int = 8, block_b: int = 128,
               num_warps: int = 4) -> Array:
     """Pallas version of `reference.block_max`: scores [B, S, N] → [B, S, ceil(N / block)] (block a power of two)."""
-    if scores.ndim != 3:
-        raise ValueError(f"block_max: scores.shape={scores.shape}; expected [B, S, N]")
+    _common.check_block_max(scores, block)
     _check_pow2(block=block, block_s=block_s, block_b=block_b)
     return _block_max(scores, block=block, interpret=_common.resolve_interpret(interpret), block_s=block_s,
                       block_b=block_b, num_warps=num_warps)

@@ -1,70 +1,84 @@
-"""Backend dispatch of the CSA2 hot paths: `impl="xla"` (jnp oracles) or `impl="pallas"` (kernels).
+"""The CSA2 hot paths, one entry per op, dispatched on `impl` through one table (tokamax style).
 
-The Pallas path runs in the interpreter on CPU (`interpret=None` → True there) and compiles
-through Triton on GPU (DESIGN §4). Both paths take plain arrays and return float32.
+- `"xla"`: `reference.py`, the only XLA implementation of each op (and the oracle of every test).
+- `"pallas"`: the kernels. They run in the Pallas interpreter on CPU and compile through Triton on
+  GPU (DESIGN §4). They have no backward pass of their own yet: their gradient is the reference's,
+  recomputed from the same inputs (`_reference_gradient`), so a model running the kernels trains.
+
+Every op takes plain arrays and `Stored` buffers and returns float32.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 
 from pallas_kernels import indexer as _indexer
 from pallas_kernels import reference
 from pallas_kernels import sparse_attention as _sparse
+from pallas_kernels.stored import Stored
 
 Array = jax.Array
 
 IMPLS = ("xla", "pallas")
 
 
-def _check_impl(impl: str) -> None:
+def _reference_gradient(kernel: Callable, ref: Callable) -> Callable:
+    """`kernel` forward with the gradient of `ref` (same signature, same math), recomputed in the backward pass."""
+    op = jax.custom_vjp(kernel)
+    op.defvjp(lambda *args: (kernel(*args), args), lambda args, g: jax.vjp(ref, *args)[1](g))
+    return op
+
+
+BACKENDS: dict[str, dict[str, Callable]] = {
+    "sparse_attention": {"xla": reference.sparse_attention,
+                         "pallas": _reference_gradient(_sparse.sparse_attention, reference.sparse_attention)},
+    "indexer_scores": {"xla": reference.indexer_scores,
+                       "pallas": _reference_gradient(_indexer.indexer_scores, reference.indexer_scores)},
+    "indexer_scores_gathered": {"xla": reference.indexer_scores_gathered,
+                                "pallas": _reference_gradient(_indexer.indexer_scores_gathered,
+                                                              reference.indexer_scores_gathered)},
+    "block_max": {"xla": reference.block_max, "pallas": _indexer.block_max},
+}
+
+
+def _backend(op: str, impl: str) -> Callable:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    return BACKENDS[op][impl]
 
 
-def sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, impl: str = "xla",
-                     interpret: bool | None = None) -> Array:
+def sparse_attention(q: Array, sink: Array, main: Stored, main_idx: Array, window: Stored, window_idx: Array, *,
+                     impl: str = "xla") -> Array:
     """Core CSA2 attention over top-k Global entries + window rows, one sink softmax (SPEC §3).
 
-    q [B, S, H, D] float; sink [H] f32;
-    main [B, N, D/2] uint8 + main_scale [B, N, D/16] float8_e4m3fn (or float [B, N, D] + None);
-    main_idx [B, S, K] int32 entry ids, −1 (or ≥ N) = skip;
-    window [B, M, D] float8_e4m3fn + window_scale [B, M, D/32] float8_e8m0fnu (or float [B, M, D] + None);
-    window_idx [B, S, W] int32 rows of `window`, −1 = skip (the caller resolves ring slots, floors, validity).
+    q [B, S, H, D] float; sink [H] f32; main: `Stored` MAIN entries [B, N, ·]; main_idx [B, S, K] int32
+    entry ids, −1 (or ≥ N) = skip; window: `Stored` WINDOW entries [B, M, ·]; window_idx [B, S, W] int32
+    rows of `window`, −1 = skip (the caller resolves ring slots, floors, validity).
     → [B, S, H, D] float32 = Σ_e exp(l_e−m)·kv_e / (Σ_e exp(l_e−m) + exp(sink_h−m)), l_e = q_h·kv_e·D^-0.5;
     rows with no valid entry → 0.
     """
-    _check_impl(impl)
-    args = (q, sink, main, main_scale, main_idx, window, window_scale, window_idx)
-    if impl == "xla":
-        return reference.sparse_attention(*args)
-    return _sparse.sparse_attention(*args, interpret=interpret)
+    return _backend("sparse_attention", impl)(q, sink, main, main_idx, window, window_idx)
 
 
-def indexer_scores(q, w, ikey, ikey_scale, visible, *, impl: str = "xla", interpret: bool | None = None) -> Array:
+def indexer_scores(q: Array, w: Array, ikey: Stored, visible: Array, *, impl: str = "xla") -> Array:
     """Σ_h w_h · relu(qI_h · k_n) → [B, S, N] f32, −inf where n ≥ visible[b, s] (SPEC §5).
 
-    q [B, S, Hi, Di] f32, w [B, S, Hi] f32, ikey [B, N, Di/2] uint8 + ikey_scale [B, N, Di/32]
-    float8_e8m0fnu (or float [B, N, Di] + None), visible [B, S] int32.
+    q [B, S, Hi, Di] f32, w [B, S, Hi] f32, ikey: `Stored` INDEX entries [B, N, ·], visible [B, S] int32.
     """
-    _check_impl(impl)
-    if impl == "xla":
-        return reference.indexer_scores(q, w, ikey, ikey_scale, visible)
-    return _indexer.indexer_scores(q, w, ikey, ikey_scale, visible, interpret=interpret)
+    return _backend("indexer_scores", impl)(q, w, ikey, visible)
 
 
-def indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, *, impl: str = "xla",
-                            interpret: bool | None = None) -> Array:
+def indexer_scores_gathered(q: Array, w: Array, ikey: Stored, ids: Array, visible: Array, *,
+                            impl: str = "xla") -> Array:
     """Scores of candidate ids [B, S, P] only (Reindex): → [B, S, P] f32, −inf where id < 0 or id ≥ visible."""
-    _check_impl(impl)
-    if impl == "xla":
-        return reference.indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible)
-    return _indexer.indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible, interpret=interpret)
+    return _backend("indexer_scores_gathered", impl)(q, w, ikey, ids, visible)
 
 
-def block_max(scores, block: int, *, impl: str = "xla", interpret: bool | None = None) -> Array:
-    """Max over runs of `block` entries: scores [B, S, N] → [B, S, ceil(N / block)] (candidate blocks, SPEC §5)."""
-    _check_impl(impl)
-    if impl == "xla":
-        return reference.block_max(scores, block)
-    return _indexer.block_max(scores, block, interpret=interpret)
+def block_max(scores: Array, block: int, *, impl: str = "xla") -> Array:
+    """Max over runs of `block` entries: scores [B, S, N] → [B, S, ceil(N / block)] (candidate blocks, SPEC §5).
+
+    A routing statistic: it only chooses which blocks enter the candidate pool, so no gradient flows through it.
+    """
+    return _backend("block_max", impl)(jax.lax.stop_gradient(scores), block)

@@ -1,7 +1,9 @@
-"""jnp oracles of the kernels (the `impl="xla"` path), same signatures, same math (SPEC §3, §5).
+"""The XLA implementation of every CSA2 hot path, written once: it is the `impl="xla"` backend and the
+oracle every other backend is tested against (SPEC §3, §5).
 
-They gather first and dequantize after the gather, like `csa2.cache.gather`, with the shared
-bit-level decoders of `_formats` (bit-identical to `csa2.quant.dequantize`).
+Reads gather first and dequantize after the gather (`Stored.gather`), with the bit-level decoders
+of `formats`, so the reference and the kernels see bit-identical entries. Inner products
+accumulate in float32 at `HIGHEST` precision (SPEC: attention logits and indexer scores are fp32).
 """
 
 from __future__ import annotations
@@ -13,90 +15,89 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _common
-from pallas_kernels._formats import load_entries, stored
+from pallas_kernels.stored import Stored
 
 Array = jax.Array
+_HIGHEST = lax.Precision.HIGHEST
 
 
-def gather_entries(data: Array, scale: Array | None, idx: Array, kind: str) -> tuple[Array, Array]:
+def gather_entries(store: Stored, idx: Array) -> tuple[Array, Array]:
     """Rows `idx [B, ...]` of per-row buffers `[B, N, ·]` as float32 `[B, ..., D]`, and their validity.
 
     An id is valid iff 0 ≤ id < N; invalid ids read row 0 and are masked by the caller.
     """
-    data, scale = stored(data, scale)
-    n = data.shape[1]
-    valid = (idx >= 0) & (idx < n)
-    rows = jnp.where(valid, idx, 0)
-    take = jax.vmap(lambda buf, i: buf[i])
-    scale_rows = None if scale is None else take(scale, rows)
-    return load_entries(take(data, rows), scale_rows, kind), valid
+    return store.gather(idx), (idx >= 0) & (idx < store.rows)
 
 
-def sink_softmax(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
-    """One softmax over entries with the per-head sink in the denominator only (SPEC §3).
+def sink_probabilities(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
+    """Probabilities [B, S, H, E] of one softmax over the entries with the per-head sink in the
+    denominator only (SPEC §3): `exp(l_e − m) / (Σ_e exp(l_e − m) + exp(s_h − m))`, `l_e = q_h·k_e·D^-½`.
 
-    q [B, S, H, D], keys [B, S, E, D] (K = V), valid [B, S, E], sink [H] → [B, S, H, D] float32;
-    a row with no valid entry returns 0. Same math as `csa2.attention.sink_attention`.
+    q [B, S, H, D], keys [B, S, E, D], valid [B, S, E], sink [H]. A row with no valid entry puts
+    all its mass on the sink (probabilities 0).
     """
-    scale = q.shape[-1] ** -0.5
-    logits = jnp.einsum("bshd,bsed->bshe", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST) * scale
+    logits = jnp.einsum("bshd,bsed->bshe", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_HIGHEST,
+                        preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
-    sink = sink.astype(jnp.float32)[None, None, :]  # [1, 1, H]
-    m = jnp.maximum(jnp.max(logits, axis=-1), sink)  # [B, S, H], finite thanks to the sink
-    p = jnp.exp(logits - m[..., None])
-    denom = jnp.sum(p, axis=-1) + jnp.exp(sink - m)
-    return jnp.einsum("bshe,bsed->bshd", p, keys, precision=lax.Precision.HIGHEST) / denom[..., None]
+    sink = sink.astype(jnp.float32)[None, None, :, None]
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf), sink)  # finite thanks to the sink
+    p = jnp.exp(logits - m)
+    return p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m))
+
+
+def sink_attention(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
+    """Core attention with K = V over gathered entries: `Σ_e p_e kv_e` [B, S, H, D] float32 (SPEC §3)."""
+    probs = sink_probabilities(q, keys, valid, sink)
+    return jnp.einsum("bshe,bsed->bshd", probs, keys.astype(jnp.float32), precision=_HIGHEST)
 
 
 @jax.jit
-def sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, window_idx) -> Array:
+def sparse_attention(q: Array, sink: Array, main: Stored, main_idx: Array, window: Stored,
+                     window_idx: Array) -> Array:
     """Top-k Global entries (`main_idx`, −1 = skip) and window rows (`window_idx`) in one sink softmax.
 
     See `ops.sparse_attention` for shapes. → [B, S, H, D] float32.
     """
-    _common.check_sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, window_idx)
-    main_keys, main_valid = gather_entries(main, main_scale, main_idx, "main")  # [B, S, K, D]
-    win_keys, win_valid = gather_entries(window, window_scale, window_idx, "window")  # [B, S, W, D]
+    _common.check_sparse_attention(q, sink, main, main_idx, window, window_idx)
+    main_keys, main_valid = gather_entries(main, main_idx)  # [B, S, K, D]
+    win_keys, win_valid = gather_entries(window, window_idx)  # [B, S, W, D]
     keys = jnp.concatenate([main_keys, win_keys], axis=2)
-    return sink_softmax(q, keys, jnp.concatenate([main_valid, win_valid], axis=2), sink)
+    return sink_attention(q, keys, jnp.concatenate([main_valid, win_valid], axis=2), sink)
 
 
-def _weighted_relu(dots: Array, w: Array) -> Array:
-    """Σ_h w_h · relu(dots_h): dots [B, S, Hi, P], w [B, S, Hi] → [B, S, P] float32."""
-    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+def weighted_relu(dots: Array, w: Array) -> Array:
+    """Σ_h w_h · relu(dots_h): dots [B, S, Hi, P], w [B, S, Hi] → [B, S, P] float32 (SPEC §5)."""
+    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), w.astype(jnp.float32), precision=_HIGHEST)
 
 
 @jax.jit
-def indexer_scores(q, w, ikey, ikey_scale, visible) -> Array:
+def indexer_scores(q: Array, w: Array, ikey: Stored, visible: Array) -> Array:
     """Σ_h w_h · relu(qI_h · k_n) over all entries [B, S, N] float32, −inf where n ≥ visible[b, s] (SPEC §5)."""
-    _common.check_indexer(q, w, ikey, ikey_scale, visible)
-    keys = load_entries(*stored(ikey, ikey_scale), "index")  # [B, N, Di]
-    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
-    n = keys.shape[1]
-    seen = jnp.arange(n, dtype=jnp.int32) < visible[..., None]  # [B, S, N]
-    return jnp.where(seen, _weighted_relu(dots, w), -jnp.inf)
+    _common.check_indexer(q, w, ikey, visible)
+    keys = ikey.decode()  # [B, N, Di]
+    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys, precision=_HIGHEST,
+                      preferred_element_type=jnp.float32)
+    seen = jnp.arange(keys.shape[1], dtype=jnp.int32) < visible[..., None]  # [B, S, N]
+    return jnp.where(seen, weighted_relu(dots, w), -jnp.inf)
 
 
 @jax.jit
-def indexer_scores_gathered(q, w, ikey, ikey_scale, ids, visible) -> Array:
-    """Scores of the candidate positions `ids [B, S, P]` only (Reindex, SPEC §5): gather, then score.
+def indexer_scores_gathered(q: Array, w: Array, ikey: Stored, ids: Array, visible: Array) -> Array:
+    """Scores of the candidate ids `ids [B, S, P]` only (Reindex, SPEC §5): gather, then score.
 
     → [B, S, P] float32, −inf where id < 0 or id ≥ visible[b, s] (or id ≥ N).
     """
-    _common.check_indexer(q, w, ikey, ikey_scale, visible)
-    if ids.ndim != 3 or ids.shape[:2] != q.shape[:2]:
-        raise ValueError(f"ids.shape={ids.shape}: expected [B, S, P] int32 candidate ids with B, S of q {q.shape[:2]}")
-    keys, valid = gather_entries(ikey, ikey_scale, ids, "index")  # [B, S, P, Di]
-    dots = jnp.einsum("bshd,bspd->bshp", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
-    valid = valid & (ids < visible[..., None])
-    return jnp.where(valid, _weighted_relu(dots, w), -jnp.inf)
+    _common.check_indexer(q, w, ikey, visible, ids)
+    keys, valid = gather_entries(ikey, ids)  # [B, S, P, Di]
+    dots = jnp.einsum("bshd,bspd->bshp", q.astype(jnp.float32), keys, precision=_HIGHEST,
+                      preferred_element_type=jnp.float32)
+    return jnp.where(valid & (ids < visible[..., None]), weighted_relu(dots, w), -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames="block")
 def block_max(scores: Array, block: int) -> Array:
     """Max of each run of `block` entries: scores [B, S, N] → [B, S, ceil(N / block)] (tail padded with −inf)."""
-    if block < 1 or scores.ndim != 3:
-        raise ValueError(f"block_max: scores.shape={scores.shape}, block={block}; expected [B, S, N] and block ≥ 1")
+    _common.check_block_max(scores, block)
     b, s, n = scores.shape
     blocks = -(-n // block)
     padded = _common.pad_axis(scores, 2, blocks * block, -jnp.inf)

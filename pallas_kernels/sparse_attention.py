@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
-from pallas_kernels._formats import load_entries, stored
+from pallas_kernels.formats import MAIN, WINDOW, decode_entries
+from pallas_kernels.stored import Stored
 
 Array = jax.Array
 
@@ -62,23 +63,23 @@ def _kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: i
     scale = q.shape[-1] ** -0.5
     sink = sink_ref[...].astype(jnp.float32)  # [BH]
 
-    def source(data_ref, scale_ref, idx_ref, block, kind):
+    def source(data_ref, scale_ref, idx_ref, block, fmt):
         rows = data_ref.shape[0]
 
         def body(j, carry):
             idx = idx_ref[pl.ds(j * block, block)]  # [block] int32
             valid = (idx >= 0) & (idx < rows)
             row = jnp.where(valid, idx, 0)  # gather address: always in bounds
-            kv = load_entries(data_ref[row, :], None if scale_ref is None else scale_ref[row, :], kind)
+            kv = decode_entries(data_ref[row, :], None if scale_ref is None else scale_ref[row, :], fmt)
             return _attend(q, kv, valid, carry, scale)
 
         return idx_ref.shape[0] // block, body
 
     carry = (sink, jnp.zeros_like(sink), jnp.zeros(q.shape, jnp.float32))
-    for data_ref, scale_ref, idx_ref, block, kind in (
-            (main_ref, main_scale_ref, main_idx_ref, block_k, "main"),
-            (win_ref, win_scale_ref, win_idx_ref, block_w, "window")):
-        steps, body = source(data_ref, scale_ref, idx_ref, block, kind)
+    for data_ref, scale_ref, idx_ref, block, fmt in (
+            (main_ref, main_scale_ref, main_idx_ref, block_k, MAIN),
+            (win_ref, win_scale_ref, win_idx_ref, block_w, WINDOW)):
+        steps, body = source(data_ref, scale_ref, idx_ref, block, fmt)
         carry = lax.fori_loop(0, steps, body, carry)
     m, l, acc = carry
     if normalize:
@@ -100,11 +101,11 @@ def _nonempty(data, scale, idx):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_h", "block_k", "block_w", "num_splits", "num_warps"))
-def _sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, interpret: bool,
+def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx, *, interpret: bool,
                       block_h: int | None, block_k: int, block_w: int, num_splits: int | None, num_warps: int):
     b, s, h, d = q.shape
-    main, main_scale, main_idx = _nonempty(*stored(main, main_scale), main_idx.astype(jnp.int32))
-    window, window_scale, window_idx = _nonempty(*stored(window, window_scale), window_idx.astype(jnp.int32))
+    main, main_scale, main_idx = _nonempty(*main.bits(), main_idx.astype(jnp.int32))
+    window, window_scale, window_idx = _nonempty(*window.bits(), window_idx.astype(jnp.int32))
     k, w = main_idx.shape[-1], window_idx.shape[-1]
 
     # Head block: all heads in the interpreter; on GPU a power of two ≥ 16 (Triton dot M ≥ 16).
@@ -166,7 +167,7 @@ def _sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale,
     return out[:, :, :h]
 
 
-def sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *,
+def sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx, *,
                      interpret: bool | None = None, block_h: int | None = None, block_k: int = 64,
                      block_w: int = 64, num_splits: int | None = None, num_warps: int = 4) -> Array:
     """Pallas version of `reference.sparse_attention` (see `ops.sparse_attention` for shapes).
@@ -175,10 +176,10 @@ def sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, 
     block_k / block_w: main / window entries per online-softmax step (powers of two);
     num_splits: entry splits per row (default 1 in the interpreter; on GPU enough for ~128 programs).
     """
-    _common.check_sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, window_idx)
+    _common.check_sparse_attention(q, sink, main, main_idx, window, window_idx)
     for name, v in (("block_k", block_k), ("block_w", block_w), ("block_h", block_h or 1)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name}={v}: must be a power of two (Triton block shapes)")
-    return _sparse_attention(q, sink, main, main_scale, main_idx, window, window_scale, window_idx,
+    return _sparse_attention(q, sink, main, main_idx, window, window_idx,
                              interpret=_common.resolve_interpret(interpret), block_h=block_h, block_k=block_k,
                              block_w=block_w, num_splits=num_splits, num_warps=num_warps)

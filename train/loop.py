@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2.config import ModelConfig
-from train import checkpoint
+from csa2 import checkpoint
 from train.data import batches, eval_batches
 from train.step import TrainConfig, TrainState, eval_loss, init_train_state, train_step
 
@@ -41,9 +41,12 @@ def _progress(step: int, total: int, metrics: dict, tokens_per_s: float, eta: fl
     sys.stderr.flush()
 
 
-def plot_losses(records: list[dict], path: pathlib.Path) -> None:
-    """Loss and indexer-KL curves as a PNG."""
-    import matplotlib
+def plot_losses(records: list[dict], path: pathlib.Path) -> bool:
+    """Loss and indexer-KL curves as a PNG; False (nothing written) without the `plot` extra (matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -56,6 +59,7 @@ def plot_losses(records: list[dict], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def train(cfg: ModelConfig, tc: TrainConfig, train_tokens: np.ndarray, out: str | pathlib.Path, *,
@@ -100,8 +104,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, train_tokens: np.ndarray, out: str 
     sys.stderr.write("\n")
     _save(out, cfg, tc, state)
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    if records:
-        plot_losses(records, out / "loss.png")
+    if records and not plot_losses(records, out / "loss.png"):
+        log(f"no {out / 'loss.png'}: plotting needs the plot extra (pip install -e '.[plot]')")
     return state
 
 

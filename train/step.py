@@ -1,8 +1,8 @@
 """The pure training step: LM loss + indexer KL (SPEC §13), AdamW, aux-loss-free MoE balancing (SPEC §9).
 
-`train_step(cfg, tc, state, inputs, targets)` is one jitted update. The MoE correction biases
-are parameters the optimizer never touches: after each step they move by
-`bias_update(bias, load, rate)` from the step's measured expert loads.
+`train_step(cfg, tc, state, inputs, targets)` is one jitted update. The MoE correction biases are
+`RouterBias` variables, which the optimizer leaves alone by type; after each step they move by
+`csa2.model.update_router_bias` from the step's measured expert loads.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from csa2 import model
 from csa2.config import ModelConfig
-from csa2.moe import bias_update
+from csa2.replay import EXACT, ReplayPolicy
 
 Array = jax.Array
-_BALANCING = ("bias", "bias_vl")  # MoE leaves updated outside the optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,27 +52,26 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.replay_window={self.replay_window}: use ≥ 1, or None for no replay")
 
     @property
-    def replay(self) -> model.ReplayPolicy:
-        return model.EXACT if self.replay_window is None else model.ReplayPolicy(window=self.replay_window)
+    def replay(self) -> ReplayPolicy:
+        return EXACT if self.replay_window is None else ReplayPolicy(window=self.replay_window)
 
 
 @chex.dataclass(frozen=True)
 class TrainState:
-    params: dict
+    params: nnx.State
     opt_state: optax.OptState
     step: Array  # int32 scalar
     rng: Array
 
 
-def _labels(params: dict) -> dict:
-    """"frozen" for the MoE balancing biases, "adamw" for everything else."""
-    def label(path, _):
-        return "frozen" if getattr(path[-1], "key", None) in _BALANCING else "adamw"
-    return jax.tree_util.tree_map_with_path(label, params)
+def _labels(params: nnx.State) -> nnx.State:
+    """"adamw" for every `nnx.Param`; "frozen" for every other variable type (the MoE `RouterBias`)."""
+    return jax.tree.map(lambda v: "adamw" if isinstance(v, nnx.Param) else "frozen", params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with warmup + cosine decay and global-norm clipping; the balancing biases are frozen."""
+    """AdamW with warmup + cosine decay and global-norm clipping, on the `nnx.Param`s only."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, min(tc.warmup, tc.steps - 1), tc.steps, tc.lr * 0.1)
     adamw = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
                         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
@@ -100,7 +99,7 @@ def token_loss(logits: Array, targets: Array, mask: Array) -> Array:
     return jnp.sum(_nll(logits, targets) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def losses(cfg: ModelConfig, tc: TrainConfig, params: dict, inputs: Array, targets: Array, dense: bool, qat: bool):
+def losses(cfg: ModelConfig, tc: TrainConfig, params: nnx.State, inputs: Array, targets: Array, dense: bool, qat: bool):
     """(total, aux): LM cross-entropy on the rows that reach the head plus weighted indexer KL."""
     logits, aux = model.forward(cfg, params, inputs, qat=qat, replay=tc.replay,
                                 index_loss="dense" if dense else "sparse")
@@ -108,15 +107,6 @@ def losses(cfg: ModelConfig, tc: TrainConfig, params: dict, inputs: Array, targe
     lm = token_loss(logits, jnp.take_along_axis(targets, rows, axis=1), jnp.ones(rows.shape, jnp.float32))
     kl = jnp.sum(aux["index_kl"]) / _index_layers(cfg)
     return lm + tc.index_loss_weight * kl, {"lm": lm, "index_kl": kl, "load": aux["load"]}
-
-
-def _balance(cfg: ModelConfig, params: dict, load: Array, rate: float) -> dict:
-    """Apply the aux-loss-free bias update to every layer's MoE router bias (outside the optimizer)."""
-    layers = []
-    for run, p in zip(model.layer_runs(cfg), params["layers"]):
-        run_load = load[run.first:run.first + run.count]  # [count, E]
-        layers.append({**p, "moe": {**p["moe"], "bias": bias_update(p["moe"]["bias"], run_load, rate)}})
-    return {**params, "layers": tuple(layers)}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tc", "dense", "qat"), donate_argnames=("state",))
@@ -129,7 +119,7 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
     (_, aux), grads = jax.value_and_grad(lambda p: losses(cfg, tc, p, inputs, targets, dense, qat), has_aux=True)(
         state.params)
     updates, opt_state = optimizer(tc).update(grads, state.opt_state, state.params)
-    params = _balance(cfg, optax.apply_updates(state.params, updates), aux["load"], tc.bias_rate)
+    params = model.update_router_bias(cfg, optax.apply_updates(state.params, updates), aux["load"], tc.bias_rate)
     load = aux["load"]
     metrics = {
         "loss": aux["lm"],
@@ -142,7 +132,7 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "qat"))
-def eval_loss(cfg: ModelConfig, params: dict, inputs: Array, targets: Array, mask: Array, qat: bool) -> tuple[Array, Array]:
+def eval_loss(cfg: ModelConfig, params: nnx.State, inputs: Array, targets: Array, mask: Array, qat: bool) -> tuple[Array, Array]:
     """(summed nats, counted tokens) of a masked eval batch, every position through every layer."""
     logits, _ = model.forward(cfg, params, inputs, qat=qat)
     return jnp.sum(_nll(logits, targets) * mask), jnp.sum(mask)

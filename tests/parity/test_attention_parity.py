@@ -12,6 +12,7 @@ channels, RoPE at the wrong position or with the wrong frequencies, ...) land fa
 tolerance on the same inputs, so a bug of that kind in our code would make the parity test fail.
 """
 
+import functools
 import types
 
 import jax
@@ -19,14 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from csa2.attention import grouped_output, sink_attention
-from csa2.compressor import compress, init_compressor_params
-from csa2.config import preset
-from csa2.rope import YarnScaling, apply_rope, rope_frequencies
+from csa2.attention import grouped_output
+from csa2.compressor import Compressor, compress
+from csa2.config import YarnScaling, preset
+from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import init_state
+from pallas_kernels.reference import sink_attention
 
 ATOL = 1e-5
 MUTANT_MIN = 1e-3  # a wrong implementation must miss the reference by at least 100× the tolerance
@@ -45,8 +48,15 @@ ROPE_SETTINGS = {
 
 # Our config: the `mini` preset (KV sources: layer 1 ratio 2, layer 4 ratio 1), float32.
 BASE = preset("mini").replace(dtype="float32")
-SOURCE = {2: 0, 1: 1}  # ratio -> index of that KV source in the state
-_compress = jax.jit(compress, static_argnums=(0, 2), static_argnames="quantize")
+SOURCE = {2: 0, 1: 1}  # ratio -> stack of that KV source in the state (one source per stack: slot 0)
+SLOT = 0
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames="quantize")
+def _compress(cfg, params, ratio, gkv, tail, x, start, n_valid, *, quantize):
+    """`compress` on source SLOT of the stack `gkv`; returns the stack and the source's tail."""
+    source, tail = compress(cfg, params, ratio, gkv.source(SLOT), tail, x, start, n_valid, quantize=quantize)
+    return source.stack(), tail
 
 
 def _ours(rope="released"):
@@ -238,7 +248,7 @@ BATCH = 2
 
 def _compressor_setup(ratio, rope, seed):
     cfg = _ours(rope)
-    p = init_compressor_params(cfg, ratio, jax.random.PRNGKey(seed))
+    p = nnx.to_pure_dict(nnx.state(Compressor(cfg, ratio, rngs=nnx.Rngs(jax.random.PRNGKey(seed)))))
     rng = np.random.default_rng(seed)
     d, dh = cfg.hidden_size, cfg.head_dim
     k_kv, k_gate = jax.random.split(jax.random.PRNGKey(seed + 100))
@@ -272,7 +282,8 @@ def _ours_compress(cfg, params, ratio, x, chunks=None, width=None):
     """Run our compressor over x [B, S, d] in chunks of the given real lengths, each padded to `width`
     tokens (padding = garbage, beyond n_valid); return the Main KV entries and the complete count."""
     state = init_state(cfg, x.shape[0], 16, "float")
-    gkv, tail = state.global_kv[SOURCE[ratio]], state.tails[SOURCE[ratio]]
+    gkv = state.global_kv[SOURCE[ratio]]
+    tail = jax.tree.map(lambda a: a[:, SLOT], state.tails[SOURCE[ratio]])  # this source's tail [B, slots, D]
     start = 0
     for n in chunks or [x.shape[1]]:
         part = x[:, start:start + n]
@@ -282,7 +293,8 @@ def _ours_compress(cfg, params, ratio, x, chunks=None, width=None):
                               jnp.full((x.shape[0],), start, jnp.int32), jnp.full((x.shape[0],), n, jnp.int32),
                               quantize=False)
         start += n
-    return np.asarray(gkv.kv), start // ratio
+    assert gkv.kv.scale is None  # float storage: the payload is the float32 entries
+    return np.asarray(gkv.kv.payload[:, SLOT]), start // ratio
 
 
 def _compress_mutant(cfg, params, ratio, x, kind):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
@@ -34,7 +35,8 @@ def _setup(name):
     keys = jax.random.split(jax.random.PRNGKey(sum(map(ord, name))), 8)
     sites = []
     for k_fn, k_base, k_scale in (keys[0:3], keys[3:6]):
-        fn = mhc.init_mhc_params(cfg, k_fn)["fn"] * (fn_std / cfg.initializer_range)
+        declared = nnx.to_pure_dict(nnx.state(mhc.HyperConnection(cfg, rngs=nnx.Rngs(k_fn))))
+        fn = declared["fn"] * (fn_std / cfg.initializer_range)
         base = base_std * jax.random.normal(k_base, ((2 + cfg.hc_mult) * cfg.hc_mult,))
         sites.append({"fn": fn, "base": base, "scale": 1.0 + 0.5 * jax.random.normal(k_scale, (3,))})
     X = x_scale * jax.random.normal(keys[6], (2, 3, cfg.hc_mult, cfg.hidden_size))

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from csa2.config import preset
-from csa2.moe import init_moe_params, moe, route
+from csa2.moe import MoE, moe, route
 
 ATOL = 1e-5
 MUTANT_MIN = 1e-3  # a wrong implementation must miss the reference by at least 100× the tolerance
@@ -31,7 +32,7 @@ CFG = preset("mini").replace(dtype="float32", swiglu_limit=3.0, gate_temp=1.0)
 
 def _params():
     d, e, i = CFG.hidden_size, CFG.n_routed_experts, CFG.moe_intermediate_size
-    p = init_moe_params(CFG, jax.random.key(0))
+    p = nnx.to_pure_dict(nnx.state(MoE(CFG, rngs=nnx.Rngs(jax.random.key(0)))))
     k = jax.random.split(jax.random.key(1), 8)
     return {
         **p,

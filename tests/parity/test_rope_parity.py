@@ -12,7 +12,8 @@ import torch
 import transformers.models.deepseek_v4.modeling_deepseek_v4 as v4
 from transformers import DeepseekV4Config
 
-from csa2.rope import YarnScaling, apply_rope, rope_frequencies
+from csa2.config import YarnScaling
+from csa2.rope import apply_rope, rope_frequencies
 
 YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 OURS_YARN = YarnScaling(16.0, 65536, 32.0, 1.0)

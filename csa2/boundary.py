@@ -1,0 +1,136 @@
+"""The host-side layer in front of the jitted entry points (DESIGN §7).
+
+An `EntryPoint` is a jitted function (static config and policies, donated state) behind one
+check of its arguments: shapes and types always, values where they are concrete (on the host).
+Called from inside another trace (a generate loop), the arguments are tracers and only their
+shapes are checked; the model code itself never asks whether a value is traced. Bad input raises
+`ValueError` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2.config import ModelConfig
+from csa2.replay import ReplayPolicy
+from csa2.state import State, capacity
+
+Array = jax.Array
+
+
+def concrete(x) -> np.ndarray | None:
+    """`x` as a host array, or None while it is being traced or only described by its shape and dtype
+    (`jax.ShapeDtypeStruct`, for ahead-of-time lowering): then only its shape can be checked."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return None
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+class EntryPoint:
+    """`jax.jit(fn, ...)` with `check(*args, **kwargs)` run before every call, trace or lowering."""
+
+    def __init__(self, fn: Callable, check: Callable, **jit_kwargs):
+        functools.update_wrapper(self, fn)
+        self._fn, self._check, self._jit_kwargs = fn, check, jit_kwargs
+        self._signature = inspect.signature(fn)
+        self._jitted = jax.jit(fn, **jit_kwargs)
+
+    def _checked(self, args, kwargs) -> None:
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        self._check(**bound.arguments)
+
+    def __call__(self, *args, **kwargs):
+        self._checked(args, kwargs)
+        return self._jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """`jax.jit(...).lower`: `.compile()` it for ahead-of-time use; the result takes the traced arguments."""
+        self._checked(args, kwargs)
+        return self._jitted.lower(*args, **kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        self._checked(args, kwargs)
+        return self._jitted.eval_shape(*args, **kwargs)
+
+    def cache_size(self) -> int:
+        """How many programs this entry point has compiled (a decode loop must not add any per step)."""
+        return self._jitted._cache_size()
+
+    def without_donation(self) -> Callable:
+        """The same jitted function with no donated argument (for measuring what donation saves)."""
+        kwargs = {k: v for k, v in self._jit_kwargs.items() if k != "donate_argnames"}
+        return jax.jit(self._fn, **kwargs)
+
+
+def entry_point(check: Callable, **jit_kwargs) -> Callable[[Callable], EntryPoint]:
+    """Decorator form of `EntryPoint`."""
+    return lambda fn: EntryPoint(fn, check, **jit_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared by the entry points
+
+def check_config(cfg) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg: expected a csa2.config.ModelConfig, got {type(cfg).__name__}")
+
+
+def check_replay(cfg: ModelConfig, replay) -> None:
+    if not isinstance(replay, ReplayPolicy):
+        raise ValueError(f"replay={replay!r}: pass a csa2.replay.ReplayPolicy (EXACT for the reference mode)")
+    replay.check(cfg)
+
+
+def check_token_ids(cfg: ModelConfig, tokens, n_valid=None) -> None:
+    """Token ids `[B, S]` are integers in the vocabulary (the first `n_valid` of each row, when concrete)."""
+    if jnp.ndim(tokens) != 2:
+        raise ValueError(f"tokens.shape={jnp.shape(tokens)}: expected [B, S]")
+    if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise ValueError(f"tokens.dtype={jnp.result_type(tokens)}: token ids must be integers")
+    ids = concrete(tokens)
+    if ids is None:
+        return
+    counts = np.full(ids.shape[0], ids.shape[1]) if n_valid is None else concrete(n_valid)
+    if counts is None:
+        return
+    valid = np.arange(ids.shape[1])[None] < counts[:, None]
+    bad = ids[valid & ((ids < 0) | (ids >= cfg.vocab_size))]
+    if bad.size:
+        raise ValueError(f"tokens: ids {sorted(set(bad.tolist()))[:5]} are outside the vocabulary "
+                         f"[0, {cfg.vocab_size}); map them through the tokenizer first")
+
+
+def check_chunk(cfg: ModelConfig, state: State, tokens, n_valid) -> None:
+    """A chunk `tokens [B, S]` (`n_valid [B]` real) written at each row's length fits the state."""
+    if not isinstance(state, State):
+        raise ValueError(f"state: expected a csa2.state.State, got {type(state).__name__}; build it with init_state")
+    check_token_ids(cfg, tokens, n_valid)
+    b, s = jnp.shape(tokens)
+    if b != state.batch:
+        raise ValueError(f"tokens.shape={jnp.shape(tokens)}: expected [B={state.batch}, S] (the state's batch)")
+    if n_valid is not None and (jnp.shape(n_valid) != (b,) or not jnp.issubdtype(jnp.result_type(n_valid), jnp.integer)):
+        raise ValueError(f"n_valid: {jnp.result_type(n_valid)}{list(jnp.shape(n_valid))}; expected int32 [B={b}], "
+                         "one count per row")
+    cap = capacity(cfg, state)
+    if s > cap:
+        raise ValueError(f"chunk length {s} exceeds the state capacity {cap}; split the prompt or allocate a "
+                         "larger state")
+    start = concrete(state.length)
+    counts = np.full(b, s) if n_valid is None else concrete(n_valid)
+    if start is None or counts is None:
+        return
+    if (counts < 0).any() or (counts > s).any():
+        raise ValueError(f"n_valid={counts.tolist()}: each row needs 0 ≤ n_valid ≤ S={s}")
+    if (start + counts > cap).any():
+        raise ValueError(f"positions up to {int((start + counts).max()) - 1} are beyond the state capacity {cap} "
+                         f"(state.length={start.tolist()}); allocate a larger state")

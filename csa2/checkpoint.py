@@ -1,0 +1,212 @@
+"""Checkpoints: params, optimizer state, data position, RNG and the model config, saved with orbax.
+
+Training writes them and inference reads them, so they live here, below both. One step directory
+holds three orbax items: `params` (the `nnx.State` of `model.init_params`) and `train` =
+{opt_state, rng} (array pytrees, `StandardSave`; `train` is never empty, even for a stateless
+optimizer) and `meta` (JSON: the `ModelConfig` as `dataclasses.asdict`, the parameter layout
+version, step, data step and the caller's `extra`). Restoring reads `meta` first, so a checkpoint
+whose config (RELEASED and VARIANT fields) differs from the requested one, or whose parameters
+follow another layout, is refused by name before any array is read (DESIGN §7).
+
+Parameter layout 2 (`LAYOUT`): `{"embed", "groups", "norm", "head"}`, where `groups[g][r]` is run r
+of `layout.layer_groups(cfg)[g]`, every leaf stacked `[iterations, layers of the run, ...]`, and
+each variable stored under its attribute name (`groups.2.0.attn.wq_a.value`). Layout 1 (one
+stacked pytree per run of identical layers, `layers.i.…`) is refused with that message. Arrays come back bit-identical in the structure of the
+caller's `*_like` pytrees (optax states are NamedTuples); a dtype or shape that differs from the
+saved one is refused, never cast, padded or truncated. Saves are synchronous: when `save` returns,
+the step is on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from csa2.config import ModelConfig, YarnScaling, model_differences
+from csa2.model import abstract_params
+
+LAYOUT = 2  # parameter layout version, see the module docstring
+_TRAIN_FIRST = "train first with python -m train --out DIR, or pass the directory a run wrote"
+
+
+def _manager(directory, keep: int | None = None, create: bool = False) -> ocp.CheckpointManager:
+    """A synchronous orbax manager over `directory`, keeping the newest `keep` steps (all when None)."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=False)
+    handlers = {"params": ocp.StandardCheckpointHandler(), "train": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
+
+
+def _config_to_json(cfg: ModelConfig) -> dict:
+    """`dataclasses.asdict(cfg)` with tuples as lists."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def _config_from_json(d: dict, directory) -> ModelConfig:
+    """Rebuild (and validate) a stored config; unknown fields are refused by name."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"checkpoint {directory}: stored config has fields {unknown} that this csa2 does not know; "
+                         "restore with the csa2 version that wrote it")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    if isinstance(fields.get("rope_scaling"), dict):
+        fields["rope_scaling"] = YarnScaling(**fields["rope_scaling"])
+    return ModelConfig(**fields)
+
+
+def _check_config(stored: ModelConfig, requested: ModelConfig, directory, step: int) -> None:
+    """Raise ValueError naming every field where the checkpoint's config differs from the requested one."""
+    diffs = [f"{name} {getattr(stored, name)!r} (checkpoint) vs {getattr(requested, name)!r} (requested)"
+             for name in model_differences(stored, requested)]
+    if diffs:
+        raise ValueError(f"checkpoint {directory} step {step}: checkpoint config differs: " + ", ".join(diffs)
+                         + "; restore with the checkpoint's config (csa2.checkpoint.load_config) or train a new run")
+
+
+def _to_json(x: Any) -> Any:
+    """JSON fallback for `extra`: numpy/jax arrays and scalars become (nested) Python lists/scalars."""
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON-serializable")
+
+
+def _abstract(tree):
+    """Restore target: each leaf's shape, dtype and sharding (one device when the leaf has none)."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def leaf(x):
+        sharding = getattr(x, "sharding", None)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding if sharding is not None else device)
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def _leaves(tree) -> dict:
+    """{orbax param name: "dtype[shape]"} of a pytree of arrays or array metadata."""
+    return {".".join(ocp.tree.str_keypath(path)): f"{np.dtype(x.dtype)}{list(x.shape)}"
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _restore_arrays(mngr: ocp.CheckpointManager, directory, step: int, likes: dict) -> dict:
+    """Restore the array items `likes` ({item: like pytree}) of `step`; any leaf, dtype or shape change is refused."""
+    metadata = mngr.item_metadata(step)
+    for item, like in likes.items():
+        stored, wanted = _leaves(metadata[item].tree), _leaves(like)
+        diffs = [f"{item}.{name} {stored.get(name, 'absent')} (checkpoint) vs {wanted.get(name, 'absent')} (requested)"
+                 for name in sorted(stored.keys() | wanted.keys()) if stored.get(name) != wanted.get(name)]
+        if diffs:
+            more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""
+            raise ValueError(f"checkpoint {directory} step {step}: the requested pytrees differ from the saved arrays: "
+                             + ", ".join(diffs[:5]) + more + "; build them from the run's config and optimizer")
+    restored = mngr.restore(step, args=ocp.args.Composite(
+        **{item: ocp.args.StandardRestore(_abstract(like)) for item, like in likes.items()}))
+    # Orbax returns arrays committed to a device; fresh uncommitted copies keep jit cache keys equal
+    # to a run that never stopped, so a resumed loop does not recompile its step.
+    return {item: jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), restored[item]) for item in likes}
+
+
+def _resolve_step(mngr: ocp.CheckpointManager, directory, step: int | None) -> int:
+    """`step`, or the latest one; ValueError naming the directory when there is none."""
+    steps = sorted(mngr.all_steps())
+    if not steps:
+        raise ValueError(f"checkpoint directory {directory} holds no checkpoints; {_TRAIN_FIRST}")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise ValueError(f"checkpoint {directory} has no step {step}; available steps: {steps}")
+    return step
+
+
+def _require_dir(directory) -> None:
+    """ValueError naming `directory` and the fix when it does not exist."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"checkpoint directory {directory} does not exist; {_TRAIN_FIRST}")
+
+
+def _meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The JSON metadata item of `step`; a checkpoint of another parameter layout is refused."""
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    layout = meta.get("layout", 1)
+    if layout != LAYOUT:
+        raise ValueError(f"checkpoint {mngr.directory} step {step}: parameters in layout {layout}, this csa2 reads "
+                         f"layout {LAYOUT} (nnx modules stacked by layer group, see csa2.checkpoint); restore it with "
+                         "the csa2 version that wrote it, or train again")
+    return meta
+
+
+def latest_step(directory) -> int | None:
+    """The newest saved step in `directory`, or None when there is none (or no directory)."""
+    if not os.path.isdir(directory):
+        return None
+    with _manager(directory) as mngr:
+        return mngr.latest_step()
+
+
+def save(directory, step: int, *, params, opt_state, data_step: int, rng, cfg: ModelConfig,
+         extra: dict | None = None, keep: int = 3) -> None:
+    """Save one step synchronously, keeping the newest `keep` steps; an existing `step` is replaced.
+
+    `extra` is JSON (arrays become lists). A directory holding checkpoints of another config is refused.
+    """
+    step = int(step)
+    if keep < 1:
+        raise ValueError(f"save: keep={keep!r}; keep at least the newest checkpoint (keep ≥ 1)")
+    try:
+        extra_json = json.loads(json.dumps(extra or {}, default=_to_json))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save: extra must be JSON-serializable ({e}); pass numbers, strings, lists and dicts") from e
+    with _manager(directory, keep=keep, create=True) as mngr:
+        latest = mngr.latest_step()
+        if latest is not None:
+            _check_config(_config_from_json(_meta(mngr, latest)["config"], directory), cfg, directory, latest)
+        if step in mngr.all_steps():
+            mngr.delete(step)
+        meta = {"config": _config_to_json(cfg), "layout": LAYOUT, "step": step, "data_step": int(data_step),
+                "extra": extra_json}
+        mngr.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params), train=ocp.args.StandardSave({"opt_state": opt_state, "rng": rng}),
+            meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
+
+
+def restore(directory, cfg: ModelConfig, *, params_like, opt_state_like, step: int | None = None) -> dict:
+    """Restore `step` (latest when None): {"step", "params", "opt_state", "data_step", "rng", "extra"}."""
+    _require_dir(directory)
+    with _manager(directory) as mngr:
+        step = _resolve_step(mngr, directory, step)
+        meta = _meta(mngr, step)
+        _check_config(_config_from_json(meta["config"], directory), cfg, directory, step)
+        rng = mngr.item_metadata(step)["train"].tree["rng"]
+        out = _restore_arrays(mngr, directory, step, {
+            "params": params_like,
+            "train": {"opt_state": opt_state_like, "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype)}})
+    return {"step": step, "params": out["params"], "opt_state": out["train"]["opt_state"],
+            "data_step": meta["data_step"], "rng": out["train"]["rng"], "extra": meta["extra"]}
+
+
+def load_config(directory, step: int | None = None) -> ModelConfig:
+    """The config stored with `step` (latest when None), rebuilt and validated."""
+    _require_dir(directory)
+    with _manager(directory) as mngr:
+        return _config_from_json(_meta(mngr, _resolve_step(mngr, directory, step))["config"], directory)
+
+
+def restore_params(directory, cfg: ModelConfig | None = None, step: int | None = None) -> tuple[ModelConfig, dict]:
+    """(config, params) of `step` (latest when None) for inference; `cfg` defaults to the stored config."""
+    _require_dir(directory)
+    with _manager(directory) as mngr:
+        step = _resolve_step(mngr, directory, step)
+        stored = _config_from_json(_meta(mngr, step)["config"], directory)
+        cfg = stored if cfg is None else cfg
+        _check_config(stored, cfg, directory, step)
+        params_like = abstract_params(cfg)
+        params = _restore_arrays(mngr, directory, step, {"params": params_like})["params"]
+    return cfg, params

@@ -1,0 +1,376 @@
+"""The layer stack over one chunk: one layer (SPEC §10, §10b), repeating groups scanned (DESIGN §5), and
+the three segments of a call around the replay split (SPEC §11).
+
+A layer reads in SPEC order: Engram → attention-site mHC mixes → collapse → attention → expand →
+FFN-site mixes → collapse → MoE → expand. Layers are executed by `layout.layer_groups`: each group
+is one scanned body over its iterations, each run inside it one scanned body over its layers, with
+parameters stacked `[iterations, layers, ...]` and the layer index and KV slot of every layer fed in
+as scanned values. What flows from layer to layer (`Flow`) carries the whole request state, so the
+Global KV stacks and the rings are updated in place: a layer reads its ring by index and writes
+only the rows its chunk adds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from csa2 import cache, engram as engram_lib, mhc
+from csa2.attention import Attention, attention
+from csa2.chunk import Chunk
+from csa2.compressor import compress
+from csa2.config import ModelConfig
+from csa2.engram import Engram
+from csa2.indexer import Bus
+from csa2.layout import Group, LayerSpec, kv_address, layer_groups, layer_plan
+from csa2.moe import MoE, moe
+from csa2.norm import rms_norm
+from csa2.params import linear, ones
+from csa2.replay import DecoderTail, ReplayPlan, ReplayPolicy, plan as replay_plan
+from csa2.state import State
+
+Array = jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+class Layer(nnx.Module):
+    """One layer's parameters: two mHC sites with their norms, attention, MoE, and Engram where configured."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        if spec.has_engram:
+            self.engram = Engram(cfg, spec.index, rngs)
+        self.attn_hc = mhc.HyperConnection(cfg, rngs)
+        self.attn_norm = ones((d,), ("embed",))
+        self.attn = Attention(cfg, spec, rngs)
+        self.ffn_hc = mhc.HyperConnection(cfg, rngs)
+        self.ffn_norm = ones((d,), ("embed",))
+        self.moe = MoE(cfg, rngs)
+
+
+def stacked_layers(cfg: ModelConfig, group: Group, rngs: nnx.Rngs) -> nnx.List:
+    """One `Layer` per run of `group`, each stacked `[group.count, run.count, ...]` with split RNG streams."""
+    runs = []
+    for run in group.runs:
+        make = _maker(cfg, run.spec)
+        for count, axis in ((run.count, "layers"), (group.count, "groups")):
+            make = nnx.split_rngs(splits=count)(
+                nnx.vmap(make, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis}))
+        runs.append(make(rngs))
+    return nnx.List(runs)
+
+
+def _maker(cfg: ModelConfig, spec: LayerSpec):
+    return lambda rngs: Layer(cfg, spec, rngs)
+
+
+def locate(cfg: ModelConfig, layer: int) -> tuple[int, int, int, int]:
+    """Where `layer` sits in the stacked layout: (group, iteration, run, index within the run)."""
+    for gi, group in enumerate(layer_groups(cfg)):
+        if group.first <= layer < group.end:
+            iteration, offset = divmod(layer - group.first, group.period)
+            for ri, run in enumerate(group.runs):
+                if run.offset <= offset < run.offset + run.count:
+                    return gi, iteration, ri, offset - run.offset
+    raise ValueError(f"locate: layer={layer} is outside the model's {cfg.num_hidden_layers} layers")
+
+
+def layer_params(cfg: ModelConfig, params: dict, layer: int) -> dict:
+    """The (unstacked) parameters of one layer."""
+    gi, iteration, ri, j = locate(cfg, layer)
+    return jax.tree.map(lambda a: a[iteration, j], params["groups"][gi][ri])
+
+
+def split_layers(cfg: ModelConfig, per_layer: Array) -> list[list[Array]]:
+    """A per-layer array `[L, ...]` cut into the stacked layout of `params["groups"]`: `[gi][ri]` →
+    `[group.count, run.count, ...]` (e.g. each layer's MoE load next to its router bias)."""
+    out = []
+    for group in layer_groups(cfg):
+        cycle = per_layer[group.first:group.end].reshape(group.count, group.period, *per_layer.shape[1:])
+        out.append([cycle[:, run.offset:run.offset + run.count] for run in group.runs])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One layer
+
+@chex.dataclass(frozen=True)
+class Flow:
+    """What flows from layer to layer: residual streams X [B, T, n, d], the `pre` handed on [B, T, n]
+    (single-pass mHC, SPEC §10), the bus of selections, and the request state being written."""
+
+    X: Array
+    pre: Array
+    bus: Bus
+    state: State
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every layer of a segment shares: the chunk of the rows in the flow, the Engram token window
+    of the whole chunk `[B, N−1+S]`, the chunk rows of the flow (`None` = every row), the numerics."""
+
+    chunk: Chunk
+    history: Array | None
+    rows: Array | None
+    quantize: bool
+    index_loss: str | None
+
+
+def take_rows(x: Array, rows: Array) -> Array:
+    """x [B, S, ...] → x[b, rows[b, j]] [B, T, ...]."""
+    return jax.vmap(lambda a, i: a[i])(x, rows)
+
+
+def site_input(cfg: ModelConfig, hc: dict, norm: Array, X: Array, pre_prev: Array):
+    """mHC coefficients of a site and its normed collapsed input (single-pass or standard, SPEC §10)."""
+    pre, post, comb = mhc.coefficients(cfg, hc, X)
+    y = mhc.collapse(X, pre_prev if cfg.mhc_single_pass else pre)
+    return rms_norm(y, norm, cfg.rms_norm_eps), pre, post, comb
+
+
+def _ring(swa, index: Array):
+    """Layer `index`'s ring `[B, slots, ·]` out of every layer's rings `[B, L, slots, ·]`."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, axis=1, keepdims=False), swa)
+
+
+def _put_ring(swa, index: Array, ring):
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, index, axis=1), swa, ring)
+
+
+def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, index: Array, slot: Array | None,
+          enter: DecoderTail | None = None) -> tuple[Flow, tuple[Array, Array]]:
+    """One layer (`index` and KV `slot` may be traced) on the rows of `flow`; returns the flow and
+    (MoE load [E], indexer KL). A Full layer compresses its own input first; at the replay split
+    (`enter`) its compressor still sees every row and the rest of the layer continues on the tail."""
+    X, state, chunk, bus = flow.X, flow.state, ctx.chunk, flow.bus
+    if spec.has_engram:
+        hashes = engram_lib.engram_hashes(cfg, spec.index, ctx.history)  # [B, S, columns]
+        if ctx.rows is not None:
+            hashes = take_rows(hashes, ctx.rows)
+        X = engram_lib.engram(cfg, p["engram"], X, hashes, chunk.valid(X.shape[1]))
+    x, pre, post, comb = site_input(cfg, p["attn_hc"], p["attn_norm"], X, flow.pre)
+
+    source = None
+    if spec.kv_source is not None:
+        stack = kv_address(cfg, spec.kv_source)[0]
+        source = state.global_kv[stack].source(slot)
+        if spec.role == "full":
+            tails = state.tails[stack]
+            tail = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=False), tails)
+            source, tail = compress(cfg, p["attn"]["compressor"], spec.ratio, source, tail, x, chunk.start,
+                                    chunk.n_valid, quantize=ctx.quantize)
+            tails = jax.tree.map(lambda a, t: jax.lax.dynamic_update_index_in_dim(a, t, slot, axis=1), tails, tail)
+            state = state.replace(global_kv=_replace(state.global_kv, stack, source.stack()),
+                                  tails=_replace(state.tails, stack, tails))
+    if enter is not None:
+        X, x, pre, post, comb = (take_rows(a, enter.rows) for a in (X, x, pre, post, comb))
+        bus = jax.tree.map(lambda a: take_rows(a, enter.rows), bus)
+        chunk = enter.chunk
+
+    out, ring, bus, kl = attention(cfg, spec, p["attn"], x, chunk, _ring(state.swa, index), source, bus,
+                                   quantize=ctx.quantize, index_loss=ctx.index_loss)
+    state = state.replace(swa=_put_ring(state.swa, index, ring))
+    X = mhc.update(X, out, post, comb)
+    x, ffn_pre, post, comb = site_input(cfg, p["ffn_hc"], p["ffn_norm"], X, pre)
+    y, load = moe(cfg, p["moe"], x)
+    X = mhc.update(X, y, post, comb)
+    return Flow(X=X, pre=ffn_pre, bus=bus, state=state), (load, kl)
+
+
+def _replace(items: tuple, i: int, value: Any) -> tuple:
+    return items[:i] + (value,) + items[i + 1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scanned runs and groups
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A piece of a group the stack runs in one go: iterations `[i0, i1)` whole, or (when `offsets` is
+    set) the layers `offsets = [lo, hi)` of iteration `i0` only."""
+
+    group: int
+    i0: int
+    i1: int
+    offsets: tuple[int, int] | None = None
+
+    def layers(self, groups: tuple[Group, ...]) -> int:
+        g = groups[self.group]
+        return (self.i1 - self.i0) * g.period if self.offsets is None else self.offsets[1] - self.offsets[0]
+
+
+def _units(groups: tuple[Group, ...], lo: int, hi: int) -> list[Unit]:
+    """Units covering layers `[lo, hi)` in order: whole iterations where possible, partial ones at the edges."""
+    units = []
+    for gi, g in enumerate(groups):
+        a, b = max(lo, g.first), min(hi, g.end)
+        if a >= b:
+            continue
+        i, j = divmod(a - g.first, g.period)
+        while a < b:
+            if j == 0 and a + g.period <= b:  # whole iterations
+                n = (b - a) // g.period
+                units.append(Unit(gi, i, i + n))
+                a, i = a + n * g.period, i + n
+            else:  # part of one iteration
+                end = min(b - (a - j), g.period)
+                units.append(Unit(gi, i, i + 1, (j, end)))
+                a, i, j = a + end - j, i + 1, 0
+    return units
+
+
+def segments(cfg: ModelConfig, split: int, cut: bool) -> tuple[list[Unit], int | None, list[Unit]]:
+    """The call's three segments: units before the split, the split layer when it enters a cut tail
+    (else None), and the units after it."""
+    groups = layer_groups(cfg)
+    L = cfg.num_hidden_layers
+    if not cut:
+        return _units(groups, 0, split), None, _units(groups, split, L)
+    return _units(groups, 0, split), split, _units(groups, split + 1, L)
+
+
+def _slots(cfg: ModelConfig, group: Group, iterations: range) -> Array | None:
+    """KV slot (in its stack) of each iteration's KV source; None for SWA groups."""
+    plan = layer_plan(cfg)
+    sources = [plan[group.layer(i, 0)].kv_source for i in iterations]
+    return None if sources[0] is None else jnp.asarray([kv_address(cfg, s)[1] for s in sources], jnp.int32)
+
+
+def _scan(fn, flow: Flow, xs, n: int):
+    """`lax.scan` of `fn` over `n` stacked items, or one direct call when n = 1 (no loop in the program)."""
+    if n == 1:
+        flow, ys = fn(flow, jax.tree.map(lambda a: a[0], xs))
+        return flow, jax.tree.map(lambda a: a[None], ys)
+    return jax.lax.scan(fn, flow, xs)
+
+
+def _run(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, indices: Array,
+         slot: Array | None) -> tuple[Flow, tuple[Array, Array]]:
+    """Layers of one structure, params stacked `[n, ...]`, at layer `indices [n]`: one scanned body."""
+    def body(flow, xs):
+        p_l, index = xs
+        return layer(cfg, spec, p_l, flow, ctx, index, slot)
+    return _scan(body, flow, (p, indices), indices.shape[0])
+
+
+def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Context) -> tuple[Flow, tuple[Array, Array]]:
+    """One unit; returns the flow and the per-layer (load [n, E], KL [n]) in layer order."""
+    group = layer_groups(cfg)[unit.group]
+    p_group = params["groups"][unit.group]
+    iterations = range(unit.i0, unit.i1)
+    slots = _slots(cfg, group, iterations)
+    if unit.offsets is None:
+        def cycle(flow, xs):
+            p_runs, first, slot = xs
+            ys = []
+            for run, p_run in zip(group.runs, p_runs):
+                indices = first + run.offset + jnp.arange(run.count, dtype=jnp.int32)
+                flow, y = _run(cfg, run.spec, p_run, flow, ctx, indices, slot)
+                ys.append(y)
+            return flow, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
+
+        firsts = jnp.asarray([group.layer(i, 0) for i in iterations], jnp.int32)
+        p_iters = [jax.tree.map(lambda a: a[unit.i0:unit.i1], p_group[ri]) for ri in range(len(group.runs))]
+        flow, ys = _scan(cycle, flow, (p_iters, firsts, slots), len(iterations))
+        return flow, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys)
+    lo, hi = unit.offsets
+    slot = None if slots is None else slots[0]
+    ys = []
+    for ri, run in enumerate(group.runs):
+        a, b = max(lo, run.offset), min(hi, run.offset + run.count)
+        if a < b:
+            p = jax.tree.map(lambda x: x[unit.i0, a - run.offset:b - run.offset], p_group[ri])
+            indices = jnp.arange(group.layer(unit.i0, a), group.layer(unit.i0, b), dtype=jnp.int32)
+            flow, y = _run(cfg, run.spec, p, flow, ctx, indices, slot)
+            ys.append(y)
+    return flow, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
+
+
+def _enter(cfg: ModelConfig, params: dict, split: int, flow: Flow, ctx: Context,
+           tail: DecoderTail) -> tuple[Flow, tuple[Array, Array]]:
+    """The split layer: its compressor on every row, the rest of it on the tail rows."""
+    spec = layer_plan(cfg)[split]
+    slot = None if spec.kv_source is None else jnp.int32(kv_address(cfg, spec.kv_source)[1])
+    flow, (load, kl) = layer(cfg, spec, layer_params(cfg, params, split), flow, ctx, jnp.int32(split), slot,
+                             enter=tail)
+    return flow, (load[None], kl[None])
+
+
+# ---------------------------------------------------------------------------------------------
+# The stack over one chunk
+
+@chex.dataclass(frozen=True)
+class StackOut:
+    X: Array  # [B, T, n, d] streams of the rows that reached the last layer
+    pre: Array  # [B, T, n] the last site's pre
+    rows: Array  # [B, T] chunk rows of X
+    state: State
+    load: Array  # [L, E] MoE load per layer
+    index_kl: Array  # [L] indexer KL loss per layer (SPEC §13; 0 where not computed)
+    work: Array  # int32: token×layer count processed (instrumentation of SPEC §11)
+
+
+def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Array:
+    """The Engram window [B, N−1+S]: the N−1 tokens before the chunk (pad before position 0), then the chunk."""
+    n = cfg.engram_max_ngram_size - 1
+    pos = start[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None]  # [B, N−1]
+    past = jnp.take_along_axis(state.tokens, pos % state.tokens.shape[1], axis=1)
+    return jnp.concatenate([jnp.where(pos >= 0, past, cfg.engram_pad_id), tokens], axis=1)
+
+
+def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: Array, replay: ReplayPolicy, *,
+          quantize: bool, index_loss: str | None = None) -> StackOut:
+    """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real).
+
+    Three segments: before the split every row runs with no floor; the split layer enters the
+    decoder tail (bounded replay only); from there the tail rows run with the decoder floor (SPEC §11).
+    """
+    b, s = tokens.shape
+    chex.assert_shape([state.length, state.floor, n_valid], (b,))
+    chunk = Chunk(start=state.length, n_valid=n_valid, floor=jnp.zeros_like(state.length))
+    plan: ReplayPlan = replay_plan(cfg, replay, chunk, s, state.floor)
+    history = _history(cfg, state, tokens, chunk.start) if cfg.engram_layer_ids else None
+    X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
+    flow = Flow(X=X, pre=jnp.broadcast_to(mhc.first_pre(cfg.hc_mult), (b, s, cfg.hc_mult)),
+                bus=Bus.empty(cfg, b, s), state=state)
+    before, at, after = segments(cfg, plan.split, plan.cut)
+    everyone = Context(chunk=chunk, history=history, rows=None, quantize=quantize, index_loss=index_loss)
+    tail = Context(chunk=plan.tail.chunk, history=history, rows=plan.tail.rows if plan.cut else None,
+                   quantize=quantize, index_loss=index_loss)
+
+    groups = layer_groups(cfg)
+    ys, work = [], jnp.zeros((), jnp.int32)
+    for unit in before:
+        flow, y = run_unit(cfg, params, unit, flow, everyone)
+        ys.append(y)
+        work += unit.layers(groups) * jnp.sum(chunk.n_valid)
+    if at is not None:
+        flow, y = _enter(cfg, params, at, flow, everyone, plan.tail)
+        ys.append(y)
+        work += jnp.sum(plan.tail.chunk.n_valid)
+    for unit in after:
+        flow, y = run_unit(cfg, params, unit, flow, tail)
+        ys.append(y)
+        work += unit.layers(groups) * jnp.sum(plan.tail.chunk.n_valid)
+    load, kl = (jnp.concatenate(a) for a in zip(*ys))
+
+    state = flow.state
+    tokens_ring = state.tokens
+    if tokens_ring.shape[1]:
+        tokens_ring = cache.ring_scatter(tokens_ring, chunk.positions(s), tokens, chunk.valid(s), chunk.end)
+    state = state.replace(length=chunk.end, floor=plan.tail.chunk.floor, tokens=tokens_ring)
+    return StackOut(X=flow.X, pre=flow.pre, rows=plan.tail.rows, state=state, load=load, index_kl=kl, work=work)
+
+
+def logits(cfg: ModelConfig, params: dict, X: Array, pre: Array) -> Array:
+    """Final collapse with the last site's pre (SPEC §10), norm, LM head: [B, T, n, d] → [B, T, V] float32."""
+    y = mhc.collapse(X, pre)
+    return linear(rms_norm(y, params["norm"], cfg.rms_norm_eps), params["head"], cfg.dtype)

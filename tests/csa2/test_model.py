@@ -1,0 +1,184 @@
+"""The assembled CED model: decode ≡ forward, commit ≡ sequential, fork, replay, compile-once (SPEC §11–§12)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from csa2 import model
+from csa2.config import preset
+from csa2.replay import EXACT, ReplayPolicy
+from csa2.state import init_state
+from tests.csa2.helpers import keep, tokens as _tokens
+
+MINI = preset("mini")
+CAP = 64
+
+
+def _greedy_decode(cfg, params, first, steps, fmt="float"):
+    """Prefill one token, then greedy decode: returns tokens [B, steps+1] and logits [B, steps+1, V]."""
+    state = init_state(cfg, first.shape[0], CAP, fmt)
+    logits, state, _ = model.prefill(cfg, params, state, first[:, None], replay=EXACT)
+    toks, outs = [first], [logits]
+    for _ in range(steps):
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        logits, state = model.decode_step(cfg, params, state, nxt)
+        toks.append(nxt)
+        outs.append(logits)
+    return jnp.stack(toks, 1), jnp.stack(outs, 1), state
+
+
+@pytest.mark.parametrize("name", ["mini", "tiny"])
+def test_greedy_decode_equals_teacher_forced_forward(name, mini_params, tiny_params):
+    """Exact mode, f32: step-by-step logits == forward on the same tokens, across ring wrap (20 slots)
+    and every ratio-2 boundary."""
+    cfg = preset(name)
+    params = mini_params if name == "mini" else tiny_params
+    tokens, logits, _ = _greedy_decode(cfg, params, jnp.array([3, 200], jnp.int32), steps=25)
+    ref, aux = model.forward(cfg, params, tokens, qat=True)
+    np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4)
+    assert aux["load"].shape == (cfg.num_hidden_layers, cfg.n_routed_experts)
+
+
+def test_packed_fp4_cache_decodes_like_float_cache(mini_params):
+    first = jnp.array([5, 6], jnp.int32)
+    _, a, _ = _greedy_decode(MINI, mini_params, first, steps=6, fmt="fp4")
+    _, b, _ = _greedy_decode(MINI, mini_params, first, steps=6, fmt="float")
+    np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- verify / commit
+
+GAMMA = 4
+
+
+def _decode_all(params, state, tokens):
+    outs = []
+    for t in range(tokens.shape[1]):
+        logits, state = model.decode_step(MINI, params, state, tokens[:, t])
+        outs.append(logits)
+    return jnp.stack(outs, 1), state
+
+
+@pytest.mark.parametrize("prompt_len", [18, 17])
+def test_commit_equals_sequential_decode(mini_params, prompt_len):
+    """commit(verify(state, [R, d1..dγ]), n+1) continues exactly like decoding R, d1..dn one by one.
+
+    prompt 18: the verify block L..L+4 = 18..22 wraps the 20-slot rings; with both parities of L a
+    ratio-2 pair straddles the accept boundary for some n."""
+    prompt = _tokens(1, (2, prompt_len))
+    state0 = init_state(MINI, 2, CAP, "float")
+    _, state, _ = model.prefill(MINI, mini_params, state0, prompt, replay=EXACT)
+    block = _tokens(2, (2, GAMMA + 1))
+    cont = _tokens(3, (2, 3))
+    v_logits, spec = model.verify(MINI, mini_params, keep(state), block)
+    seq_logits, _ = _decode_all(mini_params, keep(state), block)
+    np.testing.assert_allclose(v_logits, seq_logits, rtol=1e-4, atol=1e-4)
+    for n in range(GAMMA + 1):
+        committed = model.commit(keep(spec), jnp.full((2,), n + 1, jnp.int32))
+        assert (np.asarray(committed.length) == prompt_len + n + 1).all()
+        _, seq_state = _decode_all(mini_params, keep(state), block[:, :n + 1])
+        a, _ = _decode_all(mini_params, committed, cont)
+        b, _ = _decode_all(mini_params, seq_state, cont)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_commit_with_different_accept_lengths_per_row(mini_params):
+    state0 = init_state(MINI, 2, CAP, "fp4")
+    _, state, _ = model.prefill(MINI, mini_params, state0, _tokens(4, (2, 9)), replay=EXACT)
+    block = _tokens(5, (2, GAMMA + 1))
+    _, spec = model.verify(MINI, mini_params, keep(state), block)
+    committed = model.commit(spec, jnp.array([1, 4], jnp.int32))
+    nxt = _tokens(6, (2, 2))
+    a, _ = _decode_all(mini_params, committed, nxt)
+    for row, n in ((0, 1), (1, 4)):
+        twice = jnp.array([row, row])
+        _, s_row = _decode_all(mini_params, model.fork(state, twice), block[twice, :n])
+        b, _ = _decode_all(mini_params, s_row, nxt[twice])
+        np.testing.assert_allclose(a[row], b[0], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- fork
+
+def test_fork_rows_continue_independently(mini_params):
+    prompts = _tokens(7, (2, 11))
+    state0 = init_state(MINI, 2, CAP, "fp4")
+    _, state, _ = model.prefill(MINI, mini_params, state0, prompts, replay=EXACT)
+    forked = model.fork(state, jnp.array([1, 0, 1]))
+    _, separate, _ = model.prefill(MINI, mini_params, init_state(MINI, 3, CAP, "fp4"), prompts[jnp.array([1, 0, 1])],
+                                   replay=EXACT)
+    cont = _tokens(8, (3, 3))  # rows 0 and 2 fork from the same prompt but continue differently
+    a, _ = _decode_all(mini_params, forked, cont)
+    b, _ = _decode_all(mini_params, separate, cont)
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a[0], a[2])
+
+
+# ---------------------------------------------------------------- replay (SPEC §11)
+
+def test_replay_window_covering_the_prompt_equals_exact(mini_params):
+    prompt = _tokens(9, (2, 24))
+    a, sa, _ = model.prefill(MINI, mini_params, init_state(MINI, 2, CAP, "fp4"), prompt, replay=EXACT)
+    b, sb, _ = model.prefill(MINI, mini_params, init_state(MINI, 2, CAP, "fp4"), prompt,
+                             replay=ReplayPolicy(window=24))
+    np.testing.assert_array_equal(a, b)
+    for x, y in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def test_small_replay_window_keeps_global_kv_and_bounds_decoder_work(mini_params):
+    n, r = 24, 6
+    prompt = _tokens(10, (2, n))
+    n_valid = jnp.array([24, 13], jnp.int32)
+
+    def run(policy):
+        return model.prefill(MINI, mini_params, init_state(MINI, 2, CAP, "float"), prompt, n_valid, policy)
+
+    _, exact, w_exact = run(EXACT)
+    logits, replayed, w_replay = run(ReplayPolicy(window=r))
+    for g in range(2):  # Global KV (encoder sources and the decoder's projection) is identical
+        np.testing.assert_allclose(replayed.global_kv[g].kv.payload, exact.global_kv[g].kv.payload, rtol=1e-6,
+                                   atol=1e-6)
+    split, layers = MINI.first_decoder_layer, MINI.num_hidden_layers
+    dec = slice(split, layers)
+    assert not np.allclose(replayed.swa.payload[:, dec], exact.swa.payload[:, dec])  # decoder rings hold tails
+    np.testing.assert_array_equal(replayed.floor, [n - r, 13 - r])
+    total = sum(split * int(v) + (layers - split) * min(r, int(v)) for v in n_valid)
+    assert int(w_replay["work"]) == total and int(w_exact["work"]) == layers * int(n_valid.sum())
+    # split_layer moves the boundary: L{split} on every row, tails from split+1.
+    _, _, w21 = run(ReplayPolicy(window=r, split_layer=split + 1))
+    assert int(w21["work"]) == sum((split + 1) * int(v) + (layers - split - 1) * min(r, int(v)) for v in n_valid)
+    # decoding after a replayed prefill stays finite and respects the floor
+    out, _ = model.decode_step(MINI, mini_params, replayed, jnp.array([1, 2], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
+
+
+# ---------------------------------------------------------------- compile once
+
+def test_decode_loop_compiles_once(mini_params):
+    state = init_state(MINI, 2, CAP, "fp4")
+    tok = jnp.array([1, 2], jnp.int32)
+    _, state = model.decode_step(MINI, mini_params, state, tok)  # warm (may already be cached)
+    before = model.decode_step.cache_size()
+    for _ in range(63):
+        logits, state = model.decode_step(MINI, mini_params, state, tok)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    assert model.decode_step.cache_size() == before
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p, s: model.prefill(MINI, p, s, jnp.full((2, 4), 300, jnp.int32)), "outside the vocabulary"),
+    (lambda p, s: model.prefill(MINI, p, s, jnp.zeros((2, CAP + 2), jnp.int32)), "capacity"),
+    (lambda p, s: model.prefill(MINI, p, s, jnp.zeros((3, 4), jnp.int32)), "tokens.shape"),
+    (lambda p, s: model.decode_step(MINI, p, s, jnp.zeros((2, 1), jnp.int32)), "one token per row"),
+    (lambda p, s: model.verify(MINI, p, s, jnp.zeros((2, MINI.max_draft + 2), jnp.int32)), "max_draft"),
+    (lambda p, s: model.commit(s, jnp.array([9, 1])), "accept_lens"),
+    (lambda p, s: model.prefill(MINI, p, s, jnp.zeros((2, 4), jnp.int32), replay=ReplayPolicy(window=0)), "window"),
+    (lambda p, s: model.prefill(MINI, p, s, jnp.zeros((2, 4), jnp.int32),
+                                replay=ReplayPolicy(split_layer=2)), "split_layer"),
+])
+def test_bad_input_raises(mini_params, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(mini_params, init_state(MINI, 2, CAP, "float"))

@@ -1,0 +1,94 @@
+"""Parameters are declared by flax.nnx modules (DESIGN §2): types, logical axes, the stacked layout, display."""
+
+import io
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from csa2 import model
+from csa2.config import preset
+from csa2.layout import layer_groups, layer_plan
+from csa2.moe import RouterBias, bias_update
+from csa2.params import arrays
+from csa2.stack import layer_params
+
+TINY, MINI = preset("tiny"), preset("mini")
+
+
+def _variables(params):
+    return nnx.to_flat_state(params)
+
+
+def test_init_params_returns_the_model_state(mini_params):
+    assert isinstance(mini_params, nnx.State)
+    assert set(mini_params.keys()) == {"embed", "groups", "norm", "head"}
+    kinds = {}
+    for path, v in _variables(mini_params):
+        kinds[path] = type(v)
+        router_bias = path[-2:] in (("moe", "bias"), ("moe", "bias_vl"))
+        assert isinstance(v, RouterBias) == router_bias, path
+        assert isinstance(v, nnx.Param) != router_bias, path
+    assert sum(t is RouterBias for t in kinds.values()) == 2 * len([r for g in layer_groups(MINI) for r in g.runs])
+
+
+def test_every_parameter_names_its_logical_axes(tiny_params):
+    for path, v in _variables(tiny_params):
+        axes = v.get_metadata()["out_sharding"]
+        assert len(axes) == v.get_value().ndim and all(isinstance(a, str) for a in axes), (path, axes)
+        if path[0] == "groups":
+            assert axes[:2] == ("groups", "layers"), (path, axes)
+    spec = nnx.get_partition_spec(tiny_params)
+    assert tuple(spec["embed"].get_value()) == ("vocab", "embed")
+
+
+def test_layout_follows_the_layer_groups(tiny_params):
+    for g, group in enumerate(layer_groups(TINY)):
+        for r, run in enumerate(group.runs):
+            lead = {v.get_value().shape[:2] for _, v in nnx.to_flat_state(tiny_params["groups"][g][r])}
+            assert lead == {(group.count, run.count)}, (g, r, lead)
+    plan, p = layer_plan(TINY), arrays(tiny_params)
+    for spec in plan:  # every layer's parameters are where the groups say, with its role's pieces
+        lp = layer_params(TINY, p, spec.index)
+        assert ("compressor" in lp["attn"]) == (spec.role == "full")
+        assert ("indexer" in lp["attn"]) == (spec.role in ("full", "reindex"))
+        assert ("engram" in lp) == spec.has_engram
+
+
+def test_layers_are_initialized_independently(tiny_params):
+    """split_rngs gives every stacked layer its own draw."""
+    p = arrays(tiny_params)
+    w = [np.asarray(layer_params(TINY, p, i)["attn"]["wq_a"]) for i in (3, 4, 9)]
+    assert not np.allclose(w[0], w[1]) and not np.allclose(w[0], w[2])
+
+
+def test_display_and_tabulate_tiny(tiny_params):
+    module = model.as_module(TINY, tiny_params)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        nnx.display(module)
+    assert "RouterBias" in out.getvalue() and "wq_a" in out.getvalue()
+    table = nnx.tabulate(module, jnp.zeros((1, 8), jnp.int32))
+    total = sum(v.get_value().size for _, v in _variables(tiny_params))
+    assert "Model" in table and "RouterBias" in table and f"{total:,}" in table
+
+
+def test_module_call_is_forward(mini_params):
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 6), 0, 256, jnp.int32)
+    np.testing.assert_array_equal(model.as_module(MINI, mini_params)(tokens), model.forward(MINI, mini_params, tokens)[0])
+
+
+def test_update_router_bias_moves_each_layers_bias_by_its_load(mini_params):
+    load = jax.random.uniform(jax.random.PRNGKey(3), (MINI.num_hidden_layers, MINI.n_routed_experts))
+    new = model.update_router_bias(MINI, mini_params, load, 0.25)
+    before, after = arrays(mini_params), arrays(new)
+    for layer in range(MINI.num_hidden_layers):
+        old_bias = layer_params(MINI, before, layer)["moe"]["bias"]
+        np.testing.assert_array_equal(layer_params(MINI, after, layer)["moe"]["bias"],
+                                      bias_update(old_bias, load[layer], 0.25))
+    moved = {path for (path, a), (_, b) in zip(_variables(mini_params), _variables(new))
+             if not np.array_equal(a.get_value(), b.get_value())}
+    assert moved and all(path[-2:] == ("moe", "bias") for path in moved)
+    assert all(type(a) is type(b) for (_, a), (_, b) in zip(_variables(mini_params), _variables(new)))

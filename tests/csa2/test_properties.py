@@ -1,0 +1,106 @@
+"""State transitions as properties over random inputs (hypothesis, DESIGN §8): chunk invariance of exact prefill
+under any chunking with rows out of step, and commit ≡ prefill of the accepted rows for any per-row accept lengths.
+
+Shapes stay fixed (chunks are padded to S columns, rows differ by `n_valid`), so each property compiles its
+entry points once and the examples only change values.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from csa2 import model
+from csa2.config import preset
+from csa2.replay import EXACT
+from csa2.state import init_state
+from tests.csa2.helpers import keep
+
+MINI = preset("mini")
+B, CAP, S, N = 2, 64, 8, 21  # prompt of N tokens per row, fed in chunks of S columns
+GAMMA = MINI.max_draft
+SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
+
+
+def _continue(params, state, steps):
+    """Greedy logits of `steps` decode steps [B, steps, V] from `state` (consumed)."""
+    out, tok = [], jnp.full((B,), 7, jnp.int32)
+    for _ in range(steps):
+        logits, state = model.decode_step(MINI, params, state, tok)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        out.append(logits)
+    return jnp.stack(out, 1)
+
+
+def _committed_entries(state):
+    """Every committed Global KV entry (float storage), per stack: [B, G, N, D] masked beyond length // ratio."""
+    out = []
+    for gkv, ratio in zip(state.global_kv, (2, 1)):  # mini: one ratio-2 stack, one ratio-1 stack
+        entries = np.asarray(gkv.kv.payload)
+        valid = np.arange(entries.shape[2])[None, :] < (np.asarray(state.length) // ratio)[:, None]
+        out.append(np.where(valid[:, None, :, None], entries, 0.0))
+    return out
+
+
+@st.composite
+def chunkings(draw):
+    """Per row, N tokens cut at random points (repeats give empty chunks), pieces longer than S split: rows get
+    different chunkings, so they are out of step."""
+    rows = []
+    for _ in range(B):
+        bounds = [0, *sorted(draw(st.lists(st.integers(0, N), max_size=6))), N]
+        sizes = []
+        for a, b in zip(bounds, bounds[1:]):
+            sizes += [S] * ((b - a) // S) + ([(b - a) % S] if (b - a) % S or a == b else [])
+        rows.append(sizes)
+    calls = max(len(r) for r in rows)
+    return np.array([r + [0] * (calls - len(r)) for r in rows], np.int32)  # [B, calls]
+
+
+@SETTINGS
+@given(chunks=chunkings(), seed=st.integers(0, 2**16))
+def test_exact_prefill_is_chunk_invariant(mini_params, chunks, seed):
+    """Any chunking of an exact prefill (rows out of step, empty chunks included) gives the same committed Global
+    KV, last logits and continuation as one call."""
+    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (B, N), 0, 256, jnp.int32))
+    one_logits, one, _ = model.prefill(MINI, mini_params, init_state(MINI, B, CAP, "float"), jnp.asarray(prompt),
+                                       replay=EXACT)
+    state, done = init_state(MINI, B, CAP, "float"), np.zeros(B, np.int32)
+    last = np.zeros_like(np.asarray(one_logits))
+    for call in range(chunks.shape[1]):
+        n_valid = chunks[:, call]
+        cols = np.zeros((B, S), np.int32)
+        for b in range(B):
+            cols[b, :n_valid[b]] = prompt[b, done[b]:done[b] + n_valid[b]]
+        logits, state, _ = model.prefill(MINI, mini_params, state, jnp.asarray(cols), jnp.asarray(n_valid),
+                                         replay=EXACT)
+        last = np.where((n_valid > 0)[:, None], np.asarray(logits), last)
+        done += n_valid
+    np.testing.assert_array_equal(state.length, one.length)
+    for a, b in zip(_committed_entries(state), _committed_entries(one)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(last, one_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_continue(mini_params, state, 3), _continue(mini_params, one, 3), rtol=1e-4, atol=1e-4)
+
+
+@SETTINGS
+@given(accept=st.lists(st.integers(1, GAMMA + 1), min_size=B, max_size=B),
+       prompt_lens=st.lists(st.integers(9, N), min_size=B, max_size=B), seed=st.integers(0, 2**16))
+def test_commit_equals_prefill_of_accepted_rows(mini_params, accept, prompt_lens, seed):
+    """commit(verify(state, [R, d1..dγ]), n+1) per row ≡ an exact prefill of R, d1..dn on the same state: the same
+    length, committed Global KV and continuation, whatever the per-row accept lengths and prompt lengths (both
+    parities of L, so ratio-2 pairs straddle the accept boundary)."""
+    key1, key2 = jax.random.split(jax.random.PRNGKey(seed))
+    prompt = jax.random.randint(key1, (B, N), 0, 256, jnp.int32)
+    block = jax.random.randint(key2, (B, GAMMA + 1), 0, 256, jnp.int32)
+    accept = jnp.asarray(accept, jnp.int32)
+    _, state, _ = model.prefill(MINI, mini_params, init_state(MINI, B, CAP, "float"), prompt,
+                                jnp.asarray(prompt_lens, jnp.int32), replay=EXACT)
+    _, spec = model.verify(MINI, mini_params, keep(state), block)
+    committed = model.commit(spec, accept)
+    _, reference, _ = model.prefill(MINI, mini_params, state, block, accept, replay=EXACT)
+    np.testing.assert_array_equal(committed.length, reference.length)
+    for a, b in zip(_committed_entries(committed), _committed_entries(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_continue(mini_params, committed, 3), _continue(mini_params, reference, 3),
+                               rtol=1e-4, atol=1e-4)

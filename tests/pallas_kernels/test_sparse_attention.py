@@ -1,0 +1,194 @@
+"""sparse_attention: every backend of `ops.BACKENDS` against `reference` and an independent numpy oracle,
+the Pallas kernel's own block / split / head-block parameters, argument checks, gradient, Triton lowering."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ops, reference
+from pallas_kernels import sparse_attention as pk_sparse
+from pallas_kernels.formats import MAIN, WINDOW
+from pallas_kernels.stored import Stored
+from tests.pallas_kernels.cases import (ATTENTION_CASES, TOL, attention_case, empty_rows, np_entries, np_gather,
+                                        np_sink_attention, np_sparse_attention)
+
+OP = "sparse_attention"
+
+
+def _run(impl, args):
+    return np.asarray(ops.sparse_attention(*args, impl=impl))
+
+
+def _check_empty_rows_zero(got, args):
+    main, main_idx, win, win_idx = args[2:]
+    empty = empty_rows(main_idx, main.rows, win_idx, win.rows)
+    assert np.all(got[empty] == 0)
+
+
+def test_backends_table_covers_every_impl():
+    assert set(ops.BACKENDS[OP]) == set(ops.IMPLS)
+    assert ops.BACKENDS[OP]["xla"] is reference.sparse_attention
+
+
+@pytest.mark.parametrize("impl", ops.IMPLS)
+def test_oracle_window_first_with_unmasked_ids(impl):
+    """The old csa2 comparison: keys = [window rows at the unmasked ids, main rows], validity from the
+    window floor / fill and main ids ≥ 0, one sink softmax (order of the sources does not matter)."""
+    args, (_, ids, win_valid) = attention_case(1, **ATTENTION_CASES["chunk"])
+    q, sink, main, main_idx, win, _ = args
+    win_keys, _ = np_gather(np_entries(win), ids)
+    main_keys, _ = np_gather(np_entries(main), main_idx)
+    keys = np.concatenate([win_keys, main_keys], axis=2)
+    valid = np.concatenate([win_valid, np.asarray(main_idx) >= 0], axis=2)
+    want = np_sink_attention(q, keys, valid, sink)
+    got = _run(impl, args)
+    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got, reference.sparse_attention(*args), **TOL)
+
+
+@pytest.mark.parametrize("impl", ops.IMPLS)
+@pytest.mark.parametrize("case,packed", [
+    ("chunk", dict()),
+    ("chunk", dict(packed_main=False)),
+    ("decode", dict(packed_win=False)),
+    ("decode", dict(packed_main=False, packed_win=False)),
+])
+def test_matches_reference_and_oracle(impl, case, packed):
+    args, _ = attention_case(2, **ATTENTION_CASES[case], **packed)
+    got = _run(impl, args)
+    assert got.dtype == np.float32 and got.shape == args[0].shape
+    np.testing.assert_allclose(got, reference.sparse_attention(*args), **TOL)
+    np.testing.assert_allclose(got, np_sparse_attention(args), **TOL)
+    _check_empty_rows_zero(got, args)
+
+
+@pytest.mark.parametrize("impl", ops.IMPLS)
+def test_all_invalid_and_empty_sources(impl):
+    args, _ = attention_case(3, **ATTENTION_CASES["decode"])
+    q, sink, main, main_idx, win, win_idx = args
+    none = jnp.full_like(win_idx, -1)
+    out = ops.sparse_attention(q, sink, main, jnp.full_like(main_idx, -1), win, none, impl=impl)
+    assert np.all(np.asarray(out) == 0)
+    # SWA-only layer: no Global ids at all.
+    no_main = main_idx[..., :0]
+    only_win = (q, sink, main, no_main, win, win_idx)
+    got = _run(impl, only_win)
+    np.testing.assert_allclose(got, reference.sparse_attention(*only_win), **TOL)
+    np.testing.assert_allclose(got, np_sparse_attention(only_win), **TOL)
+
+
+@pytest.mark.parametrize("impl", ops.IMPLS)
+def test_ids_at_or_beyond_rows_are_skipped(impl):
+    """main ids ≥ N and window ids ≥ M count as −1 (never clipped onto the last row)."""
+    args, _ = attention_case(4, **ATTENTION_CASES["chunk"])
+    q, sink, main, main_idx, win, win_idx = args
+    main_idx = main_idx.at[0, 0, :5].set(jnp.array([main.rows, main.rows + 7, -1, -5, 2 ** 30], jnp.int32))
+    win_idx = win_idx.at[1, 2, :2].set(win.rows)
+    args = (q, sink, main, main_idx, win, win_idx)
+    got = _run(impl, args)
+    np.testing.assert_allclose(got, reference.sparse_attention(*args), **TOL)
+    np.testing.assert_allclose(got, np_sparse_attention(args), **TOL)
+    # the same as dropping them to −1
+    dropped = (q, sink, main, jnp.where(main_idx >= main.rows, -1, main_idx), win,
+               jnp.where(win_idx >= win.rows, -1, win_idx))
+    np.testing.assert_allclose(got, _run(impl, dropped), **TOL)
+
+
+# --- the Pallas kernel's own parameters -------------------------------------------------------------
+
+@pytest.mark.parametrize("case,kwargs", [
+    ("chunk", dict(block_k=16, block_w=4)),
+    ("chunk", dict(block_k=8, block_w=8, num_splits=2, packed_main=False)),
+    ("decode", dict(block_k=4, block_w=4, num_splits=3, packed_win=False)),
+])
+def test_sparse_attention_pallas_blocks_match_reference(case, kwargs):
+    packed = {key: kwargs.pop(key) for key in ("packed_main", "packed_win") if key in kwargs}
+    args, _ = attention_case(2, **ATTENTION_CASES[case], **packed)
+    want = reference.sparse_attention(*args)
+    got = np.asarray(pk_sparse.sparse_attention(*args, interpret=True, **kwargs))
+    np.testing.assert_allclose(got, want, **TOL)
+    _check_empty_rows_zero(got, args)
+
+
+def test_head_padding():
+    """H = 5 with block_h = 4 (heads padded to 8) and K = 37 with block_k = 16 (ids padded with −1)."""
+    shape = dict(ATTENTION_CASES["chunk"], h=5)
+    args, _ = attention_case(5, **shape)
+    got = pk_sparse.sparse_attention(*args, interpret=True, block_h=4, block_k=16, block_w=4, num_splits=2)
+    np.testing.assert_allclose(got, reference.sparse_attention(*args), **TOL)
+    np.testing.assert_allclose(got, np_sparse_attention(args), **TOL)
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_sparse_attention_random_shapes(seed):
+    """Shapes, ring fill/wrap, floors and block sizes drawn at random (seeded)."""
+    rng = np.random.default_rng(seed)
+    b, s, window = int(rng.integers(1, 3)), int(rng.integers(1, 5)), int(rng.integers(1, 7))
+    slots = window + int(rng.integers(0, 3))
+    starts = rng.integers(0, 3 * slots, b)
+    shape = dict(b=b, s=s, h=int(rng.integers(1, 6)), d=int(rng.choice([32, 64])), n=int(rng.integers(1, 50)),
+                 k=int(rng.integers(1, 40)), window=window, slots=slots, starts=starts,
+                 floors=starts - rng.integers(-2, window + 1, b))
+    args, _ = attention_case(seed, **shape, packed_main=bool(rng.integers(2)))
+    kwargs = dict(block_k=int(rng.choice([4, 8, 16])), block_w=int(rng.choice([2, 4])),
+                  num_splits=int(rng.integers(1, 4)), block_h=int(rng.choice([1, 2, 4])))
+    np.testing.assert_allclose(pk_sparse.sparse_attention(*args, interpret=True, **kwargs),
+                               reference.sparse_attention(*args), **TOL, err_msg=f"{shape} {kwargs}")
+
+
+# --- gradient ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("packed_win", [True, False])
+def test_pallas_gradient_is_the_reference_gradient(packed_win):
+    """ops' custom_vjp: d/dq and d/d(float main payload) through impl="pallas" equal those through impl="xla"."""
+    args, _ = attention_case(6, **ATTENTION_CASES["chunk"], packed_main=False, packed_win=packed_win)
+    q, sink, main, main_idx, win, win_idx = args
+    r = jnp.asarray(np.random.default_rng(7).standard_normal(q.shape), jnp.float32)
+
+    def loss(q, payload, impl):
+        out = ops.sparse_attention(q, sink, Stored(payload, None, MAIN), main_idx, win, win_idx, impl=impl)
+        return jnp.sum(out * r)
+
+    grads = {impl: jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1))(q, main.payload)
+             for impl in ops.IMPLS}
+    for want, got in zip(grads["xla"], grads["pallas"]):
+        assert np.abs(np.asarray(want)).max() > 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- dispatch, checks, lowering -----------------------------------------------------------------
+
+def test_bad_arguments_raise():
+    args, _ = attention_case(7, **ATTENTION_CASES["decode"])
+    q, sink, main, main_idx, win, win_idx = args
+    with pytest.raises(ValueError, match="impl"):
+        ops.sparse_attention(*args, impl="cuda")
+    with pytest.raises(ValueError, match="sink"):
+        ops.sparse_attention(q, sink[:1], *args[2:])
+    bad_scale = Stored(main.payload, main.scale[:, :, :1], MAIN)
+    with pytest.raises(ValueError, match=r"main\.scale"):
+        ops.sparse_attention(q, sink, bad_scale, *args[3:], impl="pallas")
+    with pytest.raises(ValueError, match=r"main\.scale"):
+        ops.sparse_attention(q, sink, bad_scale, *args[3:], impl="xla")
+    with pytest.raises(ValueError, match="main_idx"):
+        ops.sparse_attention(q, sink, main, main_idx[..., 0], win, win_idx, impl="pallas")
+    with pytest.raises(ValueError, match="window"):
+        ops.sparse_attention(q, sink, main, main_idx, Stored(win.payload, win.scale, MAIN), win_idx, impl="pallas")
+    with pytest.raises(ValueError, match="block_k"):
+        pk_sparse.sparse_attention(*args, block_k=12)
+
+
+def test_kernel_lowers_through_triton():
+    """Pallas → Triton IR at real V4.1 dims, lowered for CUDA on this CPU host (no PTX compile)."""
+    sd = jax.ShapeDtypeStruct
+    b, s, h, d, n, m, k, win = 1, 1, 64, 512, 1024, 136, 512, 128
+    main = Stored(sd((b, n, d // 2), jnp.uint8), sd((b, n, d // 16), jnp.float8_e4m3fn), MAIN)
+    window = Stored(sd((b, m, d), jnp.float8_e4m3fn), sd((b, m, d // 32), jnp.float8_e8m0fnu), WINDOW)
+    t = pk_sparse._sparse_attention.trace(sd((b, s, h, d), jnp.float32), sd((h,), jnp.float32), main,
+                                          sd((b, s, k), jnp.int32), window, sd((b, s, win), jnp.int32),
+                                          interpret=False, block_h=16, block_k=64, block_w=32, num_splits=4,
+                                          num_warps=4)
+    assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
