@@ -6,7 +6,9 @@
   and SwiGLU are float32. As in V4.1 the routing weight scales the hidden `silu(g)·u` before `W2`
   (V4 scales after `W2`; the same math, rounded differently in bfloat16).
 - Dispatch: "dense" gathers each token's k experts (reference); "ragged" sorts the (token, slot) pairs by
-  expert and runs `jax.lax.ragged_dot` over the expert groups. Both sum the k slots in the same order.
+  expert and multiplies the expert groups: in tiles when the groups are large (a grouped matmul in plain
+  XLA, the work of the routed rows rather than of every expert), by `jax.lax.ragged_dot` when they are
+  small. Both sum the k slots in the same order.
 - Aux-loss-free balancing: `bias_update` moves the correction bias against the measured load, outside the
   optimizer; the bias is a `RouterBias` variable, so the optimizer excludes it by type.
 """
@@ -97,8 +99,43 @@ def _dense_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, exp
                       preferred_element_type=jnp.float32)
 
 
+def _tile_rows(pairs: int, experts: int) -> int:
+    """Rows per tile of the grouped matmul: a power of two near a quarter of the mean group size (1 … 128),
+    so padding each group to whole tiles wastes about an eighth of the rows and the per-tile weight gather
+    stays small next to the tile's matmul."""
+    mean_quarter = max(1, pairs // (4 * experts))
+    return min(128, 1 << (mean_quarter.bit_length() - 1))
+
+
+def _grouped_matmul(lhs: Array, w: Array, sizes: Array, dt) -> Array:
+    """`lhs [M, K]` (rows sorted by expert, `sizes [E]` rows per expert) times each row's expert `w [E, K, N]`.
+
+    Many rows (a mean group of ≥ 8): each group is padded to whole tiles of `_tile_rows` rows, every tile
+    belongs to one expert, and one batched matmul multiplies the tiles by their experts' weights, so the
+    work is M·K·N plus the padding. Few rows (decode): tiles of one row would gather a weight matrix per
+    row, so `lax.ragged_dot` runs instead (native on TPU; elsewhere XLA computes every group densely,
+    E× the flops of a small M, which costs less than the gathers). → `[M, N]` float32.
+    """
+    m_rows, e = lhs.shape[0], sizes.shape[0]
+    m = _tile_rows(m_rows, e)
+    if m == 1:
+        return jax.lax.ragged_dot(lhs.astype(dt), w.astype(dt), sizes, preferred_element_type=jnp.float32)
+    n_tiles = (m_rows + (m - 1) * min(e, m_rows)) // m  # Σ ceil(size/m) over the non-empty groups, at most
+    tiles = (sizes + m - 1) // m
+    tile_end = jnp.cumsum(tiles)
+    group = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=m_rows)  # each sorted row's expert
+    start = jnp.cumsum(sizes) - sizes
+    dest = (tile_end - tiles)[group] * m + jnp.arange(m_rows) - start[group]  # row in the padded layout
+    padded = jnp.zeros((n_tiles * m, lhs.shape[1]), lhs.dtype).at[dest].set(lhs, unique_indices=True)
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), e - 1)
+    out = jnp.einsum("tmk,tkn->tmn", padded.reshape(n_tiles, m, -1).astype(dt), w[tile_expert].astype(dt),
+                     preferred_element_type=jnp.float32)
+    return out.reshape(n_tiles * m, -1)[dest]
+
+
 def _ragged_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, experts: Array) -> Array:
-    """Grouped dispatch: sort the T·k pairs by expert, `ragged_dot` per group, unsort. → `[T, k, d]` float32."""
+    """Grouped dispatch: sort the T·k pairs by expert, one tiled grouped matmul per weight, unsort.
+    → `[T, k, d]` float32."""
     t, k = experts.shape
     dt = cfg.dtype
     flat = experts.reshape(-1)
@@ -107,7 +144,7 @@ def _ragged_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, ex
     xs = x[order // k].astype(dt)  # [T·k, d], grouped by expert
 
     def grouped(lhs: Array, w: Array) -> Array:
-        return jax.lax.ragged_dot(lhs, w.astype(dt), sizes, preferred_element_type=jnp.float32)
+        return _grouped_matmul(lhs, w, sizes, dt)
 
     h = _swiglu(grouped(xs, params["w1"]), grouped(xs, params["w3"]), cfg.swiglu_limit)
     h = h * weights.reshape(-1)[order][:, None]
