@@ -4,12 +4,14 @@ The oracles decode stored entries with ml_dtypes casts and compute in float64 nu
 code with `pallas_kernels.reference` (the `impl="xla"` backend) or the kernels.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels import formats
+from pallas_kernels import formats, ops
 from pallas_kernels.formats import INDEX, MAIN, WINDOW
 from pallas_kernels.stored import Stored
 
@@ -61,6 +63,19 @@ def check_scores(x, want, seen):
     assert x.dtype == np.float32 and x.shape == want.shape
     np.testing.assert_array_equal(np.isneginf(x), ~seen)
     np.testing.assert_allclose(x, want, **TOL)
+
+
+def check_score_grads(scores, r, q, w):
+    """The (q, w) gradients of Σ r·scores (finite entries) are nonzero and equal on every backend;
+    `scores(q, w, impl)` computes the scores."""
+    def loss(q, w, impl):
+        out = scores(q, w, impl)
+        return jnp.sum(jnp.where(jnp.isfinite(out), out * r, 0.0))
+
+    grads = {impl: jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1))(q, w) for impl in ops.IMPLS}
+    for want, got in zip(grads["xla"], grads["pallas"]):
+        assert np.abs(np.asarray(want)).max() > 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def stored(x, fmt, packed):

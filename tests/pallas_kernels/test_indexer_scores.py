@@ -1,7 +1,6 @@
 """indexer_scores: every backend of `ops.BACKENDS` against `reference` and an independent numpy oracle
 (Σ_h w_h·relu(q_h·k), −inf beyond `visible`), the kernel's block sizes, argument checks, gradient, lowering."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,9 @@ from pallas_kernels import indexer as pk_indexer
 from pallas_kernels import ops, reference
 from pallas_kernels.formats import INDEX, MAIN
 from pallas_kernels.stored import Stored
-from tests.pallas_kernels.cases import TOL, check_scores, indexer_case, np_entries, np_index_scores, same_topk
+from tests.pallas_kernels.cases import (
+    TOL, check_score_grads, check_scores, indexer_case, np_entries, np_index_scores, same_topk,
+)
 
 OP = "indexer_scores"
 
@@ -86,15 +87,7 @@ def test_indexer_scores_random_shapes(seed):
 def test_pallas_gradient_is_the_reference_gradient():
     q, w, ikey, _, visible = indexer_case(9, b=2, s=3, hi=4, di=32, n=19, pool=4)
     r = jnp.asarray(np.random.default_rng(10).standard_normal((2, 3, 19)), jnp.float32)
-
-    def loss(q, w, impl):
-        out = ops.indexer_scores(q, w, ikey, visible, impl=impl)
-        return jnp.sum(jnp.where(jnp.isfinite(out), out * r, 0.0))
-
-    grads = {impl: jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1))(q, w) for impl in ops.IMPLS}
-    for want, got in zip(grads["xla"], grads["pallas"]):
-        assert np.abs(np.asarray(want)).max() > 0
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    check_score_grads(lambda q, w, impl: ops.indexer_scores(q, w, ikey, visible, impl=impl), r, q, w)
 
 
 # --- checks, lowering -------------------------------------------------------------------------------

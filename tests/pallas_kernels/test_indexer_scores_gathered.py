@@ -2,7 +2,6 @@
 numpy oracle (gather the ids' keys, Σ_h w_h·relu(q_h·k), −inf where id < 0, id ≥ N or id ≥ visible), the
 kernel's block size, argument checks, gradient, lowering."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,9 @@ from pallas_kernels import indexer as pk_indexer
 from pallas_kernels import ops, reference
 from pallas_kernels.formats import INDEX
 from pallas_kernels.stored import Stored
-from tests.pallas_kernels.cases import TOL, check_scores, indexer_case, np_entries, np_gather, np_index_scores, same_topk
+from tests.pallas_kernels.cases import (
+    TOL, check_score_grads, check_scores, indexer_case, np_entries, np_gather, np_index_scores, same_topk,
+)
 
 OP = "indexer_scores_gathered"
 
@@ -74,15 +75,8 @@ def test_pallas_gradient_is_the_reference_gradient():
     """ops' custom_vjp: d/dq and d/dw through impl="pallas" equal those through impl="xla"."""
     q, w, ikey, ids, visible = indexer_case(13, b=2, s=3, hi=4, di=32, n=25, pool=9)
     r = jnp.asarray(np.random.default_rng(14).standard_normal(ids.shape), jnp.float32)
-
-    def loss(q, w, impl):
-        out = ops.indexer_scores_gathered(q, w, ikey, ids, visible, impl=impl)
-        return jnp.sum(jnp.where(jnp.isfinite(out), out * r, 0.0))
-
-    grads = {impl: jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1))(q, w) for impl in ops.IMPLS}
-    for want, got in zip(grads["xla"], grads["pallas"]):
-        assert np.abs(np.asarray(want)).max() > 0
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    scores = lambda q, w, impl: ops.indexer_scores_gathered(q, w, ikey, ids, visible, impl=impl)  # noqa: E731
+    check_score_grads(scores, r, q, w)
 
 
 # --- checks, lowering -------------------------------------------------------------------------------
