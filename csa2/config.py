@@ -106,7 +106,7 @@ class ModelConfig:
     # --- framework fields
     dtype: str = _framework("bfloat16", RUNTIME)  # compute dtype; params and statistics stay float32 (DESIGN §6)
     kernel_impl: str = _framework("xla", RUNTIME)  # "xla" | "pallas" (DESIGN §4)
-    max_draft: int = _framework(4, RUNTIME)  # most drafts a verify block carries (γ); SWA rings hold W + max_draft slots
+    max_draft: int = _framework(5, RUNTIME)  # most drafts a verify block carries (γ); SWA rings hold W + max_draft slots
     mhc_single_pass: bool = _framework(True, VARIANT)  # SPEC §10: V4.1 collapses each site with the previous site's pre
 
     def __post_init__(self) -> None:
@@ -278,8 +278,9 @@ def validate(cfg: ModelConfig) -> None:
             _fail("engram_compressed_vocab_size", cfg.engram_compressed_vocab_size, "too large for 63-bit hash multipliers")
 
     # DSpark / speculative verify (SPEC §12)
-    if cfg.num_nextn_predict_layers and cfg.max_draft < cfg.dspark_block_size - 1:
-        _fail("max_draft", cfg.max_draft, f"must be ≥ dspark_block_size − 1 = {cfg.dspark_block_size - 1} so a draft block fits a verify")
+    if cfg.num_nextn_predict_layers and cfg.max_draft < cfg.dspark_block_size:
+        _fail("max_draft", cfg.max_draft, f"must be ≥ dspark_block_size = {cfg.dspark_block_size}: γ drafts verify "
+              "as a block of γ + 1 rows [R, d1 … dγ]")
     if not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
         _fail("dspark_noise_token_id", cfg.dspark_noise_token_id, f"must be a token id in [0, {cfg.vocab_size})")
 
@@ -302,7 +303,7 @@ _TINY_DIMS = dict(
     engram_pad_id=PAD_ID, engram_compressed_vocab_size=BYTE_VOCAB_SIZE,
     num_nextn_predict_layers=1, dspark_block_size=5, dspark_noise_token_id=PAD_ID,
     dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
-    rms_norm_eps=1e-6, dtype="float32", max_draft=4,
+    rms_norm_eps=1e-6, dtype="float32", max_draft=5,
 )
 
 

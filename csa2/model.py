@@ -138,21 +138,31 @@ def verify(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array) -> 
     b, s = tokens.shape
     p = arrays(params)
     out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), EXACT, quantize=True)
-    accept = state.accept.replace(tokens=state.accept.tokens.at[:, :s].set(tokens), count=jnp.zeros_like(state.length))
+    accept = state.accept.replace(tokens=state.accept.tokens.at[:, :s].set(tokens), count=jnp.zeros_like(state.length),
+                                  width=jnp.full_like(state.length, s))
     # Speculative: buffers hold positions L … L+γ, but nothing is committed until `commit`.
     return head_logits(cfg, p, out.X, out.pre), out.state.replace(length=state.length, accept=accept)
 
 
-def commit(state: State, accept_lens: Array) -> State:
-    """Commit `accept_lens [B]` = n+1 verified rows per row: set `length` (nothing is copied, SPEC §12)."""
-    accept_lens = jnp.asarray(accept_lens, jnp.int32)
-    if accept_lens.shape != state.length.shape:
-        raise ValueError(f"accept_lens.shape={accept_lens.shape}: expected one count per row {state.length.shape}")
-    counts = boundary.concrete(accept_lens)
-    slots = state.accept.tokens.shape[1]
-    if counts is not None and ((counts < 0).any() or (counts > slots).any()):
-        raise ValueError(f"accept_lens={counts.tolist()}: each must lie in [0, {slots}] (the verified rows R, d1 … dγ)")
-    return state.replace(length=state.length + accept_lens, accept=state.accept.replace(count=accept_lens))
+def commit(state: State, accept_lens: Array, bonus: Array) -> State:
+    """Commit `accept_lens [B]` = n + 1 verified rows (R, d1 … dn) per row and emit (d1 … dn, C), C = `bonus [B]`
+    the target's token after dn (SPEC §12): `length` grows by n + 1 (nothing is copied) and the accept
+    buffer holds the emitted tokens. `accept_lens` must lie in [0, width of the verify it follows];
+    checked where the values are concrete (a jitted loop passes verify's own bounds)."""
+    accept_lens, bonus = jnp.asarray(accept_lens, jnp.int32), jnp.asarray(bonus, jnp.int32)
+    for name, x in (("accept_lens", accept_lens), ("bonus", bonus)):
+        if x.shape != state.length.shape:
+            raise ValueError(f"{name}.shape={x.shape}: expected one value per row {state.length.shape}")
+    counts, width = boundary.concrete(accept_lens), boundary.concrete(state.accept.width)
+    if counts is not None and width is not None and ((counts < 0).any() or (counts > width).any()):
+        raise ValueError(f"accept_lens={counts.tolist()}: each must lie in [0, width] with width={width.tolist()} "
+                         "the rows of the verify this commit follows (R, d1 … dγ); verify again before committing")
+    slot = jnp.arange(state.accept.tokens.shape[1])[None, :]
+    drafts = jnp.roll(state.accept.tokens, -1, axis=1)  # slot i holds d_{i+1}
+    n = accept_lens[:, None] - 1
+    emitted = jnp.where(slot < n, drafts, jnp.where(slot == n, bonus[:, None], 0))
+    accept = state.accept.replace(tokens=emitted, count=accept_lens, width=jnp.zeros_like(accept_lens))
+    return state.replace(length=state.length + accept_lens, accept=accept)
 
 
 def fork(state: State, rows: Array) -> State:

@@ -115,14 +115,19 @@ class CompressorTail:
 
 @chex.dataclass(frozen=True)
 class AcceptBuffer:
-    """Tokens emitted by the last verify/commit (accepted drafts + bonus, SPEC §12).
+    """The speculative step's tokens (SPEC §12), per row.
 
-    tokens: [B, max_draft + 1] int32; count: [B] int32 valid entries. The last one is the
-    next step's R (sampled, not yet in the cache).
+    After `verify`: `tokens[:, :width]` is the verify block [R, d1 … dγ], `width` = γ + 1 rows that
+    `commit` may accept, `count` = 0. After `commit(n + 1, C)`: `tokens[:, :count]` are the n + 1
+    emitted tokens (d1 … dn, C), C last (the next step's R, sampled, not yet in the cache);
+    `width` = 0, so nothing more can be committed until the next verify.
+
+    tokens: [B, max_draft + 1] int32; count, width: [B] int32.
     """
 
     tokens: Array
     count: Array
+    width: Array
 
 
 @chex.dataclass(frozen=True)
@@ -200,7 +205,7 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int, cache_format: str = 
         tails=tuple(tails),
         tokens=jnp.full((batch, history_slots(cfg)), cfg.engram_pad_id, jnp.int32),
         accept=AcceptBuffer(tokens=jnp.zeros((batch, cfg.max_draft + 1), jnp.int32),
-                            count=jnp.zeros((batch,), jnp.int32)),
+                            count=jnp.zeros((batch,), jnp.int32), width=jnp.zeros((batch,), jnp.int32)),
     )
 
 

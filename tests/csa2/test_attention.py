@@ -21,7 +21,7 @@ from pallas_kernels.reference import sink_attention
 from tests.csa2.attention_stack import init_stack, run_stack, stack_step
 
 CFG = preset("mini")
-T, CAP, B = 40, 64, 2  # 40 tokens wrap the 20-slot rings twice and cross many ratio-2 boundaries
+T, CAP, B = 40, 64, 2  # 40 tokens wrap the 21-slot rings and cross many ratio-2 boundaries
 
 
 @pytest.fixture(scope="module")

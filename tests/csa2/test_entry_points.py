@@ -33,9 +33,13 @@ def test_verify_then_commit_shares_the_buffers(mini_params):
     """verify consumes the state and returns the speculative one; commit only sets lengths (no copy)."""
     _, state, _ = model.prefill(MINI, mini_params, init_state(MINI, 2, CAP), tokens(1, (2, 6)), replay=EXACT)
     _, spec = model.verify(MINI, mini_params, state, tokens(2, (2, 3)))
-    committed = model.commit(spec, jnp.array([1, 3], jnp.int32))
+    with pytest.raises(ValueError, match=r"accept_lens=\[1, 4\].*width=\[3, 3\]"):
+        model.commit(spec, jnp.array([1, 4], jnp.int32), jnp.array([5, 6], jnp.int32))  # row 1: 4 > 3 verified rows
+    committed = model.commit(spec, jnp.array([1, 3], jnp.int32), jnp.array([5, 6], jnp.int32))
     assert committed.global_kv[0].kv.payload is spec.global_kv[0].kv.payload
     np.testing.assert_array_equal(committed.length, [7, 9])
+    with pytest.raises(ValueError, match=r"width=\[0, 0\].*verify again"):  # a commit needs a verify of its own
+        model.commit(committed, jnp.array([1, 1], jnp.int32), jnp.array([5, 6], jnp.int32))
 
 
 def test_fork_is_one_gather_over_the_batch_axis(mini_params):

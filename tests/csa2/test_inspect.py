@@ -57,7 +57,7 @@ def test_cli_v41_flash_at_1m():
     assert re.search(r"Global KV per token\s+890\.0 B\s*$", out, re.M), out
     assert re.search(r"Global KV at context\s+933\.23 MB\s*$", out, re.M), out  # 890 × 2^20 B
     assert re.search(r"SWA rings, W slots.*\s2\.70 MB\s*$", out, re.M), out  # 40 × 128 × 528 B
-    assert re.search(r"SWA rings, W \+ max_draft slots\s+2\.79 MB\s*$", out, re.M), out  # 40 × 132 × 528 B
+    assert re.search(r"SWA rings, W \+ max_draft slots\s+2\.81 MB\s*$", out, re.M), out  # 40 × 133 × 528 B
     assert "swa ×2, full ×4, reindex ×4, reuse ×30" in out
     check_v41_plan(out)
 

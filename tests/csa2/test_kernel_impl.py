@@ -23,7 +23,7 @@ from tests.csa2.attention_stack import init_stack, run_stack
 
 XLA = preset("mini")
 B, CAP = 2, 64
-# Rows out of step; 20 positions fill the 20-slot rings and give the ratio-1 groups more visible
+# Rows out of step; 20 positions nearly fill the 21-slot rings and give the ratio-1 groups more visible
 # entries (20) than index_topk (16), so selection by score matters.
 PROMPT = (20, 13)
 

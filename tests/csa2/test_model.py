@@ -30,7 +30,7 @@ def _greedy_decode(cfg, params, first, steps, fmt="float"):
 
 @pytest.mark.parametrize("name", ["mini", "tiny"])
 def test_greedy_decode_equals_teacher_forced_forward(name, mini_params, tiny_params):
-    """Exact mode, f32: step-by-step logits == forward on the same tokens, across ring wrap (20 slots)
+    """Exact mode, f32: step-by-step logits == forward on the same tokens, across ring wrap (21 slots)
     and every ratio-2 boundary."""
     cfg = preset(name)
     params = mini_params if name == "mini" else tiny_params
@@ -64,7 +64,7 @@ def _decode_all(params, state, tokens):
 def test_commit_equals_sequential_decode(mini_params, prompt_len):
     """commit(verify(state, [R, d1..dγ]), n+1) continues exactly like decoding R, d1..dn one by one.
 
-    prompt 18: the verify block L..L+4 = 18..22 wraps the 20-slot rings; with both parities of L a
+    prompt 18: the verify block L..L+4 = 18..22 wraps the 21-slot rings; with both parities of L a
     ratio-2 pair straddles the accept boundary for some n."""
     prompt = _tokens(1, (2, prompt_len))
     state0 = init_state(MINI, 2, CAP, "float")
@@ -74,9 +74,14 @@ def test_commit_equals_sequential_decode(mini_params, prompt_len):
     v_logits, spec = model.verify(MINI, mini_params, keep(state), block)
     seq_logits, _ = _decode_all(mini_params, keep(state), block)
     np.testing.assert_allclose(v_logits, seq_logits, rtol=1e-4, atol=1e-4)
+    bonus = jnp.array([7, 9], jnp.int32)
     for n in range(GAMMA + 1):
-        committed = model.commit(keep(spec), jnp.full((2,), n + 1, jnp.int32))
+        committed = model.commit(keep(spec), jnp.full((2,), n + 1, jnp.int32), bonus)
         assert (np.asarray(committed.length) == prompt_len + n + 1).all()
+        emitted = np.concatenate([np.asarray(block[:, 1:n + 1]), np.asarray(bonus)[:, None]], axis=1)  # d1..dn, C
+        np.testing.assert_array_equal(committed.accept.tokens[:, :n + 1], emitted)
+        np.testing.assert_array_equal(committed.accept.count, n + 1)
+        np.testing.assert_array_equal(committed.accept.width, 0)
         _, seq_state = _decode_all(mini_params, keep(state), block[:, :n + 1])
         a, _ = _decode_all(mini_params, committed, cont)
         b, _ = _decode_all(mini_params, seq_state, cont)
@@ -88,7 +93,7 @@ def test_commit_with_different_accept_lengths_per_row(mini_params):
     _, state, _ = model.prefill(MINI, mini_params, state0, _tokens(4, (2, 9)), replay=EXACT)
     block = _tokens(5, (2, GAMMA + 1))
     _, spec = model.verify(MINI, mini_params, keep(state), block)
-    committed = model.commit(spec, jnp.array([1, 4], jnp.int32))
+    committed = model.commit(spec, jnp.array([1, 4], jnp.int32), jnp.array([5, 6], jnp.int32))
     nxt = _tokens(6, (2, 2))
     a, _ = _decode_all(mini_params, committed, nxt)
     for row, n in ((0, 1), (1, 4)):
@@ -174,7 +179,7 @@ def test_decode_loop_compiles_once(mini_params):
     (lambda p, s: model.prefill(MINI, p, s, jnp.zeros((3, 4), jnp.int32)), "tokens.shape"),
     (lambda p, s: model.decode_step(MINI, p, s, jnp.zeros((2, 1), jnp.int32)), "one token per row"),
     (lambda p, s: model.verify(MINI, p, s, jnp.zeros((2, MINI.max_draft + 2), jnp.int32)), "max_draft"),
-    (lambda p, s: model.commit(s, jnp.array([9, 1])), "accept_lens"),
+    (lambda p, s: model.commit(s, jnp.array([9, 1]), jnp.array([0, 0])), "accept_lens"),
     (lambda p, s: model.prefill(MINI, p, s, jnp.zeros((2, 4), jnp.int32), replay=ReplayPolicy(window=0)), "window"),
     (lambda p, s: model.prefill(MINI, p, s, jnp.zeros((2, 4), jnp.int32),
                                 replay=ReplayPolicy(split_layer=2)), "split_layer"),

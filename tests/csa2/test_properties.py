@@ -97,7 +97,11 @@ def test_commit_equals_prefill_of_accepted_rows(mini_params, accept, prompt_lens
     _, state, _ = model.prefill(MINI, mini_params, init_state(MINI, B, CAP, "float"), prompt,
                                 jnp.asarray(prompt_lens, jnp.int32), replay=EXACT)
     _, spec = model.verify(MINI, mini_params, keep(state), block)
-    committed = model.commit(spec, accept)
+    bonus = jax.random.randint(key2, (B,), 0, 256, jnp.int32)
+    committed = model.commit(spec, accept, bonus)
+    for row, a in enumerate(np.asarray(accept)):  # emitted: d1 … dn, C
+        want = np.append(np.asarray(block[row, 1:a]), np.asarray(bonus[row]))[:a]
+        np.testing.assert_array_equal(committed.accept.tokens[row, :a], want)
     _, reference, _ = model.prefill(MINI, mini_params, state, block, accept, replay=EXACT)
     np.testing.assert_array_equal(committed.length, reference.length)
     for a, b in zip(_committed_entries(committed), _committed_entries(reference)):

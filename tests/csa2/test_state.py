@@ -23,11 +23,11 @@ E4M3 = E8M0 = jnp.uint8  # packed buffers hold the bytes of e4m3 / ue8m0 values
 # layers, head_dim, index_head_dim, sliding_window, max_draft, engram history slots (n-1 + max_draft + 1),
 # KV-source ratios in kv_source_layer_ids order, the Global KV stacks as (ratio, sources), engram pad id.
 GEOMETRY = {
-    "v41_flash": dict(L=40, D=512, DI=128, W=128, draft=4, hist=3 + 4 + 1, ratios=(2, 2, 2, 1),
+    "v41_flash": dict(L=40, D=512, DI=128, W=128, draft=5, hist=3 + 5 + 1, ratios=(2, 2, 2, 1),
                       stacks=((2, 3), (1, 1)), pad=2),
-    "tiny": dict(L=40, D=32, DI=32, W=16, draft=4, hist=2 + 4 + 1, ratios=(2, 2, 2, 1), stacks=((2, 3), (1, 1)),
+    "tiny": dict(L=40, D=32, DI=32, W=16, draft=5, hist=2 + 5 + 1, ratios=(2, 2, 2, 1), stacks=((2, 3), (1, 1)),
                  pad=258),
-    "mini": dict(L=8, D=32, DI=32, W=16, draft=4, hist=2 + 4 + 1, ratios=(2, 1), stacks=((2, 1), (1, 1)), pad=258),
+    "mini": dict(L=8, D=32, DI=32, W=16, draft=5, hist=2 + 5 + 1, ratios=(2, 1), stacks=((2, 1), (1, 1)), pad=258),
 }
 
 
@@ -60,7 +60,7 @@ def expected_state(name, B, C, fmt):
                    sds((B, L, slots, D // 32), E8M0) if packed else None, WINDOW),
         tails=tuple(tails),
         tokens=sds((B, g["hist"]), I32),
-        accept=AcceptBuffer(tokens=sds((B, g["draft"] + 1), I32), count=sds((B,), I32)),
+        accept=AcceptBuffer(tokens=sds((B, g["draft"] + 1), I32), count=sds((B,), I32), width=sds((B,), I32)),
     )
 
 
@@ -110,6 +110,7 @@ def test_init_state_leaves(name, B, C, fmt):
     assert GEOMETRY[name]["pad"] == cfg.engram_pad_id
     np.testing.assert_array_equal(state.accept.tokens, 0)
     np.testing.assert_array_equal(state.accept.count, 0)
+    np.testing.assert_array_equal(state.accept.width, 0)
     for t in state.tails:
         np.testing.assert_array_equal(t.kv, 0)
         np.testing.assert_array_equal(t.gate, 0)
@@ -150,7 +151,7 @@ def test_capacity_granule_is_the_lcm_of_ratios():
     assert per_source == [6, 4, 4, 12]
     assert [t.kv.shape[1] for t in state.tails] == [1, 2, 1]
     per_source = [t.kv.shape[2] for t in state.tails for _ in range(t.kv.shape[1])]
-    assert per_source == [2 + 4, 3 + 4, 3 + 4, 0]  # ratio + max_draft; ratio 1: none
+    assert per_source == [2 + 5, 3 + 5, 3 + 5, 0]  # ratio + max_draft; ratio 1: none
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,10 +196,10 @@ def test_v41_flash_global_kv_at_1m_is_exact():
     assert parts["global_kv"] == 890 * 2**20 == 933_232_640
     assert parts["global_kv"] == (3 * 2**19 + 2**20) * 356
     # the rest of the state, by hand
-    assert parts["swa"] == 40 * 1 * (128 + 4) * 528
-    assert parts["tails"] == 3 * 2 * (1 * (2 + 4) * 512 * 4)  # ratio-1 source: empty tail
-    assert parts["tokens"] == 1 * 8 * 4
-    assert parts["accept"] == 1 * 5 * 4 + 1 * 4
+    assert parts["swa"] == 40 * 1 * (128 + 5) * 528
+    assert parts["tails"] == 3 * 2 * (1 * (2 + 5) * 512 * 4)  # ratio-1 source: empty tail
+    assert parts["tokens"] == 1 * (3 + 5 + 1) * 4  # n − 1 + max_draft + 1 history slots
+    assert parts["accept"] == 1 * 6 * 4 + 2 * 1 * 4  # tokens [1, max_draft + 1], count, width
     assert parts["length"] == 4
     assert parts["floor"] == 4
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
@@ -291,8 +292,9 @@ def test_every_leaf_is_batch_first(name, B, C, make, fmt):
     """Batch is axis 0 of every leaf (Global KV, rings, tails, history, accept), so `fork` is one tree map."""
     state = make(preset(name), B, C, fmt)
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    # length, floor; 2 stacks × (kv, ikey) payloads [+ scales]; swa [+ scale]; 2 tails × (kv, gate); tokens; accept × 2
-    assert len(leaves) == 2 + 2 * 2 * (2 if fmt == "fp4" else 1) + (2 if fmt == "fp4" else 1) + 2 * 2 + 1 + 2
+    # length, floor; 2 stacks × (kv, ikey) payloads [+ scales]; swa [+ scale]; 2 tails × (kv, gate); tokens;
+    # accept (tokens, count, width)
+    assert len(leaves) == 2 + 2 * 2 * (2 if fmt == "fp4" else 1) + (2 if fmt == "fp4" else 1) + 2 * 2 + 1 + 3
     for path, leaf in leaves:
         assert leaf.ndim >= 1 and leaf.shape[0] == B, (jax.tree_util.keystr(path), leaf.shape)
 
