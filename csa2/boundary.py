@@ -3,8 +3,10 @@
 An `EntryPoint` is a jitted function (static config and policies, donated state) behind one
 check of its arguments: shapes and types always, values where they are concrete (on the host).
 Called from inside another trace (a generate loop), the arguments are tracers and only their
-shapes are checked; the model code itself never asks whether a value is traced. Bad input raises
-`ValueError` naming the field, the value and the fix.
+shapes are checked; the model code itself never asks whether a value is traced. Reading a device
+value waits for the computation that makes it, so a host loop that wants its steps to overlap calls
+`.trusted(...)`, which checks shapes only. Bad input raises `ValueError` naming the field, the value
+and the fix.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from csa2.config import ModelConfig
-from csa2.replay import ReplayPolicy
+from csa2.replay import Extend, ReplayPolicy
 from csa2.state import State, capacity
 
 Array = jax.Array
@@ -33,6 +36,14 @@ def concrete(x) -> np.ndarray | None:
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None
+
+
+def _described(arg):
+    """An argument as `trusted` checks it: every device array as its shape and dtype. Parameters pass as
+    they are (no check reads them, and rebuilding an `nnx.State` costs milliseconds)."""
+    if isinstance(arg, nnx.State):
+        return arg
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x, arg)
 
 
 class EntryPoint:
@@ -51,6 +62,15 @@ class EntryPoint:
 
     def __call__(self, *args, **kwargs):
         self._checked(args, kwargs)
+        return self._jitted(*args, **kwargs)
+
+    def trusted(self, *args, **kwargs):
+        """The call with the checks that read device values skipped: shapes, types and host (numpy)
+        values are still checked, but no `jax.Array` argument is copied back to the host, so a host
+        loop feeding the model its own outputs (argmax tokens, the state it advanced) dispatches the next
+        step while this one runs. Token ids in the vocabulary and positions within capacity are then the
+        caller's to guarantee (check the first call, size the state for the whole loop)."""
+        self._checked(tuple(map(_described, args)), {k: _described(v) for k, v in kwargs.items()})
         return self._jitted(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
@@ -118,7 +138,8 @@ def check_chunk(cfg: ModelConfig, state: State, tokens, n_valid) -> None:
     b, s = jnp.shape(tokens)
     if b != state.batch:
         raise ValueError(f"tokens.shape={jnp.shape(tokens)}: expected [B={state.batch}, S] (the state's batch)")
-    if n_valid is not None and (jnp.shape(n_valid) != (b,) or not jnp.issubdtype(jnp.result_type(n_valid), jnp.integer)):
+    if n_valid is not None and (jnp.shape(n_valid) != (b,)
+                                or not jnp.issubdtype(jnp.result_type(n_valid), jnp.integer)):
         raise ValueError(f"n_valid: {jnp.result_type(n_valid)}{list(jnp.shape(n_valid))}; expected int32 [B={b}], "
                          "one count per row")
     cap = capacity(cfg, state)
@@ -134,3 +155,28 @@ def check_chunk(cfg: ModelConfig, state: State, tokens, n_valid) -> None:
     if (start + counts > cap).any():
         raise ValueError(f"positions up to {int((start + counts).max()) - 1} are beyond the state capacity {cap} "
                          f"(state.length={start.tolist()}); allocate a larger state")
+
+
+def check_extend(state: State, tokens, n_valid, extend) -> None:
+    """Each row's chunk `[length, length + n_valid)` lies inside its extend `[start, end)` (rows that
+    receive tokens, when the values are concrete)."""
+    if extend is None:
+        return
+    if not isinstance(extend, Extend):
+        raise ValueError(f"extend: expected a csa2.replay.Extend(start, end) or None, got {type(extend).__name__}")
+    b, s = jnp.shape(tokens)
+    for name in ("start", "end"):
+        x = getattr(extend, name)
+        if jnp.shape(x) != (b,) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"extend.{name}: {jnp.result_type(x)}{list(jnp.shape(x))}; expected int32 [B={b}], "
+                             "one position per row")
+    start, end, length = concrete(extend.start), concrete(extend.end), concrete(state.length)
+    counts = np.full(b, s) if n_valid is None else concrete(n_valid)
+    if any(x is None for x in (start, end, length, counts)):
+        return
+    fed = counts > 0
+    bad = fed & ((start < 0) | (length < start) | (length + counts > end))
+    if bad.any():
+        raise ValueError(f"extend=[{start.tolist()}, {end.tolist()}): the chunks [length, length + n_valid) = "
+                         f"[{length.tolist()}, {(length + counts).tolist()}) of rows {np.flatnonzero(bad).tolist()} "
+                         "lie outside it; pass the positions of the whole prompt, e.g. Extend.cold(prompt_lengths)")

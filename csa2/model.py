@@ -26,14 +26,14 @@ from csa2.config import ModelConfig
 from csa2.layout import layer_groups
 from csa2.moe import bias_update
 from csa2.params import arrays, normal, ones
-from csa2.replay import EXACT, ReplayPolicy
+from csa2.replay import EXACT, Extend, ReplayPolicy
 from csa2.stack import StackOut, logits as head_logits, split_layers, stack, stacked_layers, take_rows
 from csa2.state import State, init_state, token_granule
 
 Array = jax.Array
 
 __all__ = ["Model", "init_params", "as_module", "abstract_params", "prefill", "decode_step", "verify", "commit", "fork",
-           "forward", "update_router_bias", "ReplayPolicy", "EXACT", "init_state"]
+           "forward", "update_router_bias", "ReplayPolicy", "EXACT", "Extend", "init_state"]
 
 
 class Model(nnx.Module):
@@ -74,31 +74,36 @@ def abstract_params(cfg: ModelConfig) -> nnx.State:
 # ---------------------------------------------------------------------------------------------
 # Inference
 
-def _last_logits(cfg: ModelConfig, p: dict, out: StackOut, n_valid: Array) -> Array:
+def _last_logits(cfg: ModelConfig, p: dict, out: StackOut) -> Array:
     """Logits [B, V] of each row's last real position among the rows that reached the head."""
-    last = jnp.clip(jnp.minimum(n_valid, out.rows.shape[1]) - 1, 0)[:, None]  # [B, 1]
+    last = jnp.clip(out.n_rows - 1, 0)[:, None]  # [B, 1]
     return head_logits(cfg, p, take_rows(out.X, last), take_rows(out.pre, last))[:, 0]
 
 
-def _check_prefill(cfg, params, state, tokens, n_valid, replay) -> None:
+def _check_prefill(cfg, params, state, tokens, n_valid, replay, extend) -> None:
     boundary.check_config(cfg)
     boundary.check_replay(cfg, replay)
     boundary.check_chunk(cfg, state, tokens, n_valid)
+    boundary.check_extend(state, tokens, n_valid, extend)
 
 
 @entry_point(_check_prefill, static_argnames=("cfg", "replay"), donate_argnames=("state",))
 def prefill(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array, n_valid: Array | None = None,
-            replay: ReplayPolicy = ReplayPolicy()) -> tuple[Array, State, dict]:
-    """Process a prompt chunk `tokens [B, S]` (`n_valid [B]` real tokens per row, default S).
+            replay: ReplayPolicy = ReplayPolicy(), extend: Extend | None = None) -> tuple[Array, State, dict]:
+    """Process a prompt chunk `tokens [B, S]` (`n_valid [B]` real tokens per row, default S) of
+    `extend` (`Extend(start, end)`: the positions of the prompt's new tokens when it arrives in
+    several chunks, e.g. `Extend.cold(N)`; None: this chunk is the whole prompt).
 
-    Returns the logits of each row's last real position [B, V], the new state and `{"work": int32}`,
-    the token×layer count processed. With `replay.window = R` only the last min(R, S) tokens run
-    through the layers from the split on (SPEC §11); `EXACT` is the reference.
+    Returns the logits of each row's last real position that reached the head [B, V] (meaningful on
+    the chunk holding the prompt's last token), the new state and `{"work": int32}`, the token×layer
+    count processed. With `replay.window = R` only the extend's last min(R, end − start) positions
+    run through the layers from the split on (SPEC §11), in whichever chunks hold them, so every
+    chunking gives the state and logits of one call; `EXACT` is the reference.
     """
     n_valid = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     p = arrays(params)
-    out = stack(cfg, p, state, tokens, n_valid, replay, quantize=True)
-    return _last_logits(cfg, p, out, n_valid), out.state, {"work": out.work}
+    out = stack(cfg, p, state, tokens, n_valid, replay, quantize=True, extend=extend)
+    return _last_logits(cfg, p, out), out.state, {"work": out.work}
 
 
 def _check_decode(cfg, params, state, tokens) -> None:
@@ -116,7 +121,7 @@ def decode_step(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array
     ones_ = jnp.ones(tokens.shape, jnp.int32)
     p = arrays(params)
     out = stack(cfg, p, state, tokens[:, None], ones_, EXACT, quantize=True)
-    return _last_logits(cfg, p, out, ones_), out.state
+    return _last_logits(cfg, p, out), out.state
 
 
 def _check_verify(cfg, params, state, tokens) -> None:

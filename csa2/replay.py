@@ -1,10 +1,19 @@
-"""Bounded decoder replay of a prompt (SPEC §11): the policy, and the plan one call computes from it.
+"""Bounded decoder replay of a prompt (SPEC §11): the policy, the extend a chunk belongs to, and the
+plan one call computes from them.
 
-Cold prefill runs every position through the layers before the split (the encoder, whose
-compressors project every position into Global KV), then only the decoder tail — the last
-`T = min(R, n)` real tokens of the chunk — through the layers from the split on, with those
-layers' SWA floored at the tail start. Token×layer work: `split·n + (L − split)·T` instead of `L·n`.
-With `R ≥ n` it equals the exact reference (every position through every layer, no new floor).
+A prompt's new tokens are one *extend*: positions `[start, end)` of a row (`[0, N)` for a cold
+prompt), fed in one prefill call or in several chunks. Every position runs through the layers
+before the split (the encoder, whose compressors project every position into Global KV); only the
+decoder tail — the last `T = min(R, end − start)` positions `[end − T, end)` of the extend — runs
+through the layers from the split on, with those layers' SWA floored at the tail start. A chunk runs
+the part of the tail it holds, so every chunking of an extend gives the state and logits of one call;
+with `R ≥ end − start` that is the exact reference (every position through every layer, no floor).
+
+Work (`prefill`'s aux `work`) counts the rows that enter each layer. When the split layer compresses
+(a Full layer, e.g. layer 20 of the release), its Engram, attention-site mHC and compressor take every
+row and only its attention and FFN run on the tail, so it counts all n rows: `(split + 1)·n +
+(L − split − 1)·T` per extend. SPEC §11's `20·N + 20·T` counts layer 20 as tail; SGLang's split 21
+(layer 20 whole on every row) gives the same `21·N + 19·T` as the count here for split 20.
 """
 
 from __future__ import annotations
@@ -35,8 +44,8 @@ class ReplayPolicy:
         (None = exact reference mode: every position through every layer);
     split_layer: the first layer that runs on the tail only (None = first decoder layer; SGLang
         uses first decoder layer + 1). Layers before it run on every position.
-    short_extend: what a prefill on a non-empty state (prefix hit) replays: "truncate" runs the
-        decoder tail on the new tokens only (SGLang main).
+    short_extend: what a prefill on a non-empty state (prefix hit) replays: "truncate" takes the
+        decoder tail from the extend's new tokens only (SGLang main), so a short extend has a short tail.
     """
 
     window: int | None = 128
@@ -76,6 +85,31 @@ EXACT = ReplayPolicy(window=None)
 
 
 @chex.dataclass(frozen=True)
+class Extend:
+    """The extend a prefill chunk belongs to: per row, the new tokens' positions `[start, end)` (`[B]`
+    each), whatever chunks they arrive in. A cold prompt of N tokens is `Extend.cold(N)`; the suffix
+    after a prefix hit of P tokens is `[P, N)`. Each chunk lies inside its row's extend."""
+
+    start: Array
+    end: Array
+
+    @classmethod
+    def cold(cls, lengths: Array) -> "Extend":
+        """Prompts of `lengths [B]` tokens on empty rows: `[0, lengths)`."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        return cls(start=jnp.zeros_like(lengths), end=lengths)
+
+    @classmethod
+    def of(cls, chunk: Chunk) -> "Extend":
+        """The chunk as a whole extend (a one-call prefill)."""
+        return cls(start=chunk.start, end=chunk.end)
+
+    def tail_start(self, policy: ReplayPolicy) -> Array:
+        """First position of the decoder tail `[max(start, end − R), end)` [B]."""
+        return jnp.maximum(self.start, self.end - policy.window)
+
+
+@chex.dataclass(frozen=True)
 class DecoderTail:
     """The chunk rows that run from the split on (SPEC §11): `rows [B, T]` of the chunk and their `chunk`
     (positions of the tail, the decoder floor)."""
@@ -90,8 +124,9 @@ class ReplayPlan:
 
     split: the first layer of the decoder segment (static). Layers before it run every row with no
         floor; from it on, layers run `tail.chunk`, floored at `tail.chunk.floor`.
-    cut: whether the tail is a strict selection of rows (replay) or every row (exact mode); when
-        cut, the split layer runs its compressor on every row, then continues on the tail.
+    cut: whether the tail is a selection of rows (replay) or every row (exact mode); when cut, a
+        compressing split layer runs its compressor on every row, then continues on the tail, and
+        any other split layer runs on the tail only (`csa2.stack.segments`).
     tail: the decoder tail.
     """
 
@@ -100,16 +135,25 @@ class ReplayPlan:
     tail: DecoderTail
 
 
-def plan(cfg: ModelConfig, policy: ReplayPolicy, chunk: Chunk, s: int, floor: Array) -> ReplayPlan:
-    """The plan of a chunk of `s` columns (`chunk.n_valid` real) on rows whose decoder floor is `floor [B]`.
+def plan(cfg: ModelConfig, policy: ReplayPolicy, chunk: Chunk, s: int, floor: Array,
+         extend: Extend | None = None) -> ReplayPlan:
+    """The plan of a chunk of `s` columns (`chunk.n_valid` real) of `extend` (None: the chunk is the
+    whole extend) on rows whose decoder floor is `floor [B]`.
 
-    Exact mode keeps every row and the floor; with a window R the tail is the last `T = min(R, s)`
-    real rows of each row (all of them when fewer) and the floor rises to the tail's first position.
+    Exact mode keeps every row and the floor. With a window R the tail is the chunk's rows inside the
+    extend's decoder tail (at most `min(R, s)`: a static width; none when the chunk ends before the
+    tail starts) and the floor of a row that receives tokens rises to the tail start; a row with
+    `n_valid = 0` keeps its floor.
     """
-    t = s if policy.exact else min(policy.window, s)
-    offset = jnp.maximum(chunk.n_valid - t, 0)  # [B] first chunk row of the tail
+    if policy.exact:
+        rows = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (chunk.start.shape[0], s))
+        tail = DecoderTail(rows=rows, chunk=chunk.replace(floor=floor))
+        return ReplayPlan(split=policy.split(cfg), cut=False, tail=tail)
+    extend = Extend.of(chunk) if extend is None else extend
+    first = extend.tail_start(policy)  # [B]
+    offset = jnp.clip(first - chunk.start, 0, chunk.n_valid)  # [B] first chunk row of the tail
+    t = min(policy.window, s)
     rows = jnp.minimum(offset[:, None] + jnp.arange(t, dtype=jnp.int32)[None], s - 1)  # [B, T]
-    if not policy.exact:
-        floor = jnp.maximum(floor, chunk.start + offset)
+    floor = jnp.where(chunk.n_valid > 0, jnp.maximum(floor, first), floor)
     tail = DecoderTail(rows=rows, chunk=Chunk(start=chunk.start + offset, n_valid=chunk.n_valid - offset, floor=floor))
-    return ReplayPlan(split=policy.split(cfg), cut=not policy.exact, tail=tail)
+    return ReplayPlan(split=policy.split(cfg), cut=True, tail=tail)

@@ -31,7 +31,7 @@ from csa2.layout import Group, LayerSpec, kv_address, layer_groups, layer_plan
 from csa2.moe import MoE, moe
 from csa2.norm import rms_norm
 from csa2.params import linear, ones
-from csa2.replay import DecoderTail, ReplayPlan, ReplayPolicy, plan as replay_plan
+from csa2.replay import DecoderTail, Extend, ReplayPlan, ReplayPolicy, plan as replay_plan
 from csa2.state import State
 
 Array = jax.Array
@@ -162,7 +162,7 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
     if spec.kv_source is not None:
         stack = kv_address(cfg, spec.kv_source)[0]
         source = state.global_kv[stack].source(slot)
-        if spec.role == "full":
+        if compresses(spec):
             tails = state.tails[stack]
             tail = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=False), tails)
             source, tail = compress(cfg, p["attn"]["compressor"], spec.ratio, source, tail, x, chunk.start,
@@ -171,8 +171,7 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
             state = state.replace(global_kv=_replace(state.global_kv, stack, source.stack()),
                                   tails=_replace(state.tails, stack, tails))
     if enter is not None:
-        X, x, pre, post, comb = (take_rows(a, enter.rows) for a in (X, x, pre, post, comb))
-        bus = jax.tree.map(lambda a: take_rows(a, enter.rows), bus)
+        X, x, pre, post, comb, bus = _take_tail((X, x, pre, post, comb, bus), enter)
         chunk = enter.chunk
 
     out, ring, bus, kl = attention(cfg, spec, p["attn"], x, chunk, _ring(state.swa, index), source, bus,
@@ -183,6 +182,11 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
     y, load = moe(cfg, p["moe"], x)
     X = mhc.update(X, y, post, comb)
     return Flow(X=X, pre=ffn_pre, bus=bus, state=state), (load, kl)
+
+
+def _take_tail(tree, tail: DecoderTail):
+    """The tail rows of every `[B, S, ...]` leaf of `tree`."""
+    return jax.tree.map(lambda a: take_rows(a, tail.rows), tree)
 
 
 def _replace(items: tuple, i: int, value: Any) -> tuple:
@@ -229,12 +233,18 @@ def _units(groups: tuple[Group, ...], lo: int, hi: int) -> list[Unit]:
 
 def segments(cfg: ModelConfig, split: int, cut: bool) -> tuple[list[Unit], int | None, list[Unit]]:
     """The call's three segments: units before the split, the split layer when it enters a cut tail
-    (else None), and the units after it."""
+    from inside (a compressing layer: its compressor needs every row; else None, and the flow is cut
+    before the layer), and the units after it."""
     groups = layer_groups(cfg)
     L = cfg.num_hidden_layers
-    if not cut:
-        return _units(groups, 0, split), None, _units(groups, split, L)
-    return _units(groups, 0, split), split, _units(groups, split + 1, L)
+    if cut and compresses(layer_plan(cfg)[split]):
+        return _units(groups, 0, split), split, _units(groups, split + 1, L)
+    return _units(groups, 0, split), None, _units(groups, split, L)
+
+
+def compresses(spec: LayerSpec) -> bool:
+    """Whether the layer writes Global KV: a Full layer compresses its own input first."""
+    return spec.kv_source is not None and spec.role == "full"
 
 
 def _slots(cfg: ModelConfig, group: Group, iterations: range) -> Array | None:
@@ -312,6 +322,7 @@ class StackOut:
     X: Array  # [B, T, n, d] streams of the rows that reached the last layer
     pre: Array  # [B, T, n] the last site's pre
     rows: Array  # [B, T] chunk rows of X
+    n_rows: Array  # [B] how many of them are real (the rest repeat the last chunk column)
     state: State
     load: Array  # [L, E] MoE load per layer
     index_kl: Array  # [L] indexer KL loss per layer (SPEC §13; 0 where not computed)
@@ -327,16 +338,18 @@ def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Arr
 
 
 def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: Array, replay: ReplayPolicy, *,
-          quantize: bool, index_loss: str | None = None) -> StackOut:
-    """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real).
+          quantize: bool, extend: Extend | None = None, index_loss: str | None = None) -> StackOut:
+    """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real) of
+    `extend` (None: the chunk is the whole extend).
 
-    Three segments: before the split every row runs with no floor; the split layer enters the
-    decoder tail (bounded replay only); from there the tail rows run with the decoder floor (SPEC §11).
+    Three segments: before the split every row runs with no floor; at the split the flow enters the
+    decoder tail (bounded replay only; inside the split layer when it compresses, before it otherwise);
+    from there the tail rows run with the decoder floor (SPEC §11).
     """
     b, s = tokens.shape
     chex.assert_shape([state.length, state.floor, n_valid], (b,))
     chunk = Chunk(start=state.length, n_valid=n_valid, floor=jnp.zeros_like(state.length))
-    plan: ReplayPlan = replay_plan(cfg, replay, chunk, s, state.floor)
+    plan: ReplayPlan = replay_plan(cfg, replay, chunk, s, state.floor, extend)
     history = _history(cfg, state, tokens, chunk.start) if cfg.engram_layer_ids else None
     X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
     flow = Flow(X=X, pre=jnp.broadcast_to(mhc.first_pre(cfg.hc_mult), (b, s, cfg.hc_mult)),
@@ -355,7 +368,10 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     if at is not None:
         flow, y = _enter(cfg, params, at, flow, everyone, plan.tail)
         ys.append(y)
-        work += jnp.sum(plan.tail.chunk.n_valid)
+        work += jnp.sum(chunk.n_valid)  # every row enters the split layer
+    elif plan.cut:  # the split layer does not compress: the tail enters before it
+        X, pre, bus = _take_tail((flow.X, flow.pre, flow.bus), plan.tail)
+        flow = flow.replace(X=X, pre=pre, bus=bus)
     for unit in after:
         flow, y = run_unit(cfg, params, unit, flow, tail)
         ys.append(y)
@@ -367,7 +383,8 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     if tokens_ring.shape[1]:
         tokens_ring = cache.ring_scatter(tokens_ring, chunk.positions(s), tokens, chunk.valid(s), chunk.end)
     state = state.replace(length=chunk.end, floor=plan.tail.chunk.floor, tokens=tokens_ring)
-    return StackOut(X=flow.X, pre=flow.pre, rows=plan.tail.rows, state=state, load=load, index_kl=kl, work=work)
+    return StackOut(X=flow.X, pre=flow.pre, rows=plan.tail.rows, n_rows=plan.tail.chunk.n_valid, state=state,
+                    load=load, index_kl=kl, work=work)
 
 
 def logits(cfg: ModelConfig, params: dict, X: Array, pre: Array) -> Array:

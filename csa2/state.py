@@ -9,9 +9,11 @@ Everything beyond `length` is scratch, so commit after verify is "set `length`",
 "keep the previous pytree" and fork is "gather rows" (all in `csa2.model`).
 
 `floor[B]` is the one other value that changes what a row reads: the decoder SWA floor of SPEC §11.
-A prefill with a replay window R ran the decoder layers (from the split on) only on the last
-T = min(R, n) tokens of its chunk, so their rings hold nothing older than `length − T`: decoder
-windows never read below `floor`. Exact prefills and decode steps leave it where it is.
+The layers from the replay split on never read a window entry below `floor`. A prefill with a replay
+window R runs those layers only on its extend's decoder tail `[end − T, end)`, T = min(R, end − start)
+(`csa2.replay.Extend`: the prompt's new tokens, in however many chunks), so their rings hold nothing
+older; each such call that gives a row tokens raises the row's floor to `end − T` (never lowers it).
+Exact prefills, decode steps, verify and a row with no tokens in the call leave it where it is.
 
 Every leaf has the batch axis first, so `fork` is one tree map. Same-ratio KV sources are stacked
 (`layout.kv_stacks`): `global_kv[k]` holds every source of stack k, `[B, G, N, ·]`, and the SWA

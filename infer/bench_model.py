@@ -9,7 +9,8 @@ Prints one JSON line per measurement; every line carries the machine and the con
 alone says where it was measured. On a shared CPU absolute times are noisy, so what this script is
 for is the **ratios measured side by side in the same run**: bounded (`ReplayPolicy(window=128)`)
 vs exact prefill wall time, interleaved rep by rep, next to the token×layer work ratio that
-`prefill` reports in its aux output (SPEC §11: `(20·N + 20·T) / (40·N)` for the released split).
+`prefill` reports in its aux output (rows entering each layer: `(21·N + 19·T) / (40·N)` for the released
+split, whose layer 20 compresses every row; SPEC §11's idealised count is `(20·N + 20·T) / (40·N)`).
 
 Measurements (cache format fp4):
 - `compile`: lower and compile seconds of `decode_step` (per state capacity) and `prefill`
@@ -20,6 +21,9 @@ Measurements (cache format fp4):
   with the state donated (as `decode_step` is) and with the undonated twin, steps interleaved: step
   times and what XLA plans for the outputs (without donation every step writes a new copy of the
   state; with it the outputs alias the inputs);
+- `host_loop`: a greedy host loop (argmax fed back) at `--decode-contexts[0]` tokens × 8 rows
+  through `decode_step` (checked: it reads the tokens and the state's length back, so each step
+  waits for the last) and `decode_step.trusted` (shapes only: steps overlap), loops alternated;
 - `batch`: `infer.generate` on random weights, prompt 256 and 64 new tokens (greedy, no EOS), at
   each of `--batches`: new tokens per second after compilation and the ratio to batch 1, end to end
   and for the decode loop alone (the wall minus that of a one-token `generate`: prefill + first draw);
@@ -48,7 +52,9 @@ import numpy as np
 
 from csa2 import model
 from csa2.config import PRESETS, preset
+from csa2.layout import layer_plan
 from csa2.replay import EXACT, ReplayPolicy
+from csa2.stack import compresses
 from csa2.state import init_state, state_bytes, token_granule
 from infer import generate
 
@@ -260,6 +266,37 @@ def bench_donation(rep: Reporter, cfg, params, context: int, batch: int, steps: 
 
 
 # ---------------------------------------------------------------------------------------------
+# Host loop: checked calls (each reads the state's length and the tokens back) vs `trusted`
+
+def bench_host_loop(rep: Reporter, cfg, params, context: int, batch: int, steps: int, rounds: int = 3) -> None:
+    """A host-driven greedy loop (argmax fed back) through `decode_step` and through `decode_step.trusted`,
+    whole loops alternated `rounds` times: the checked call waits for the previous step to read its
+    values; the trusted one only checks shapes, so the next step is dispatched while this one runs."""
+    cap = _round_up(context + rounds * (steps + 3) + 2, max(64, token_granule(cfg)))
+
+    def loop(call) -> float:
+        state = init_state(cfg, batch, cap, CACHE_FORMAT).replace(length=jnp.full((batch,), context, jnp.int32))
+        tok = jnp.full((batch,), 65, jnp.int32)
+        for i in range(steps + 3):  # 3 untimed steps first
+            if i == 3:
+                jax.block_until_ready(tok)
+                t0 = time.perf_counter()
+            logits, state = call(cfg, params, state, tok)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        return (time.perf_counter() - t0) / steps
+
+    times = {"checked": [], "trusted": []}
+    for _ in range(rounds):
+        times["checked"].append(loop(model.decode_step))
+        times["trusted"].append(loop(model.decode_step.trusted))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rep.emit("host_loop", context=context, batch=batch, steps=steps, rounds=rounds,
+             median_step_s={k: _r(v, 6) for k, v in med.items()},
+             checked_over_trusted=_r(med["checked"] / med["trusted"]))
+
+
+# ---------------------------------------------------------------------------------------------
 # Batched generation throughput
 
 def bench_batch(rep: Reporter, cfg, params, batches: list[int], prompt_len: int, new_tokens: int, seed: int) -> None:
@@ -319,7 +356,7 @@ def bench_prefill(rep: Reporter, cfg, params, n: int, reps: int, budget_gib: flo
     tokens, n_valid = _tokens(cfg, n, seed), jnp.full((1,), n, jnp.int32)
     compiled, memory = {}, {}
     for key, replay in policies.items():
-        replay.validate(cfg)
+        replay.check(cfg)
         # Timed reps reuse one input state, so the prefill here keeps it (no donation).
         c, lower_s, compile_s = _compile(model.prefill.without_donation(), cfg, params, state, tokens, n_valid,
                                          replay)
@@ -358,6 +395,7 @@ def bench_prefill(rep: Reporter, cfg, params, n: int, reps: int, budget_gib: flo
     pair_ratios = [b / e for b, e in zip(times["bounded"], times["exact"])]
     t = min(128, n)
     split, layers = cfg.first_decoder_layer, cfg.num_hidden_layers
+    split += compresses(layer_plan(cfg)[split])  # a compressing split layer takes every row
     expected = (split * n + (layers - split) * t) / (layers * n)
     rep.emit(
         "prefill_replay", context=n, context_requested=requested or n,
@@ -368,7 +406,8 @@ def bench_prefill(rep: Reporter, cfg, params, n: int, reps: int, budget_gib: flo
         wall_ratio=_r(med["bounded"] / med["exact"]), wall_ratio_pairs_median=_r(statistics.median(pair_ratios)),
         wall_ratio_pairs=[_r(x) for x in pair_ratios],
         work_bounded=work["bounded"], work_exact=work["exact"], work_ratio=_r(work["bounded"] / work["exact"]),
-        work_ratio_expected=_r(expected), wall_over_work=_r((med["bounded"] / med["exact"]) / (work["bounded"] / work["exact"])),
+        work_ratio_expected=_r(expected),
+        wall_over_work=_r((med["bounded"] / med["exact"]) / (work["bounded"] / work["exact"])),
         first_call_s={k: _r(v) for k, v in first.items()},
         samples_s={k: [_r(x) for x in v] for k, v in times.items()},
         memory_check=fit_note,
@@ -401,7 +440,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="rows in the state for the donation comparison (default 16; --quick: 1)")
     ap.add_argument("--batches", type=int, nargs="+", default=None,
                     help="generate batch sizes (default 1 8 32; --quick: 1 8)")
-    ap.add_argument("--skip", choices=("decode", "donation", "batch", "prefill"), action="append", default=[],
+    ap.add_argument("--skip", choices=("decode", "donation", "host_loop", "batch", "prefill"), action="append",
+                    default=[],
                     help="skip a part")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
@@ -436,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     if "donation" not in args.skip:
         context = args.donation_context or (16384 if args.quick else cfg.max_position_embeddings - 1024)
         bench_donation(rep, cfg, params, context, args.donation_batch or (1 if args.quick else 16), steps)
+    if "host_loop" not in args.skip:
+        bench_host_loop(rep, cfg, params, decode_contexts[0], 8, steps)
     if "batch" not in args.skip:
         bench_batch(rep, cfg, params, args.batches or ([1, 8] if args.quick else [1, 8, 32]), 256,
                     16 if args.quick else 64, args.seed)

@@ -63,6 +63,23 @@ def test_value_checks_run_on_the_host_and_shape_checks_under_trace(mini_params):
         jax.jit(lambda t: model.decode_step(MINI, mini_params, init_state(MINI, 2, CAP), t))(jnp.ones((2, 2), jnp.int32))
 
 
+def test_trusted_call_checks_shapes_and_host_values_only(mini_params):
+    """`.trusted` computes what the checked call does; it still refuses bad shapes and bad host (numpy) values,
+    and reads no device value back: ids that only a device read would catch go through unchecked."""
+    _, state, _ = model.prefill(MINI, mini_params, init_state(MINI, 2, CAP), tokens(4, (2, 5)), replay=EXACT)
+    tok = jnp.array([3, 4], jnp.int32)
+    a, _ = model.decode_step(MINI, mini_params, keep(state), tok)
+    b, _ = model.decode_step.trusted(MINI, mini_params, keep(state), tok)
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="one token per row"):
+        model.decode_step.trusted(MINI, mini_params, keep(state), jnp.ones((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.prefill.trusted(MINI, mini_params, keep(state), np.full((2, 3), 300, np.int32))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.decode_step(MINI, mini_params, keep(state), jnp.array([300, 1], jnp.int32))
+    model.decode_step.trusted(MINI, mini_params, keep(state), jnp.array([300, 1], jnp.int32))
+
+
 def test_lowered_entry_point_compiles_once_and_matches(mini_params):
     state = init_state(MINI, 2, CAP)
     tok = jnp.array([5, 6], jnp.int32)

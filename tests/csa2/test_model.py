@@ -148,14 +148,42 @@ def test_small_replay_window_keeps_global_kv_and_bounds_decoder_work(mini_params
     dec = slice(split, layers)
     assert not np.allclose(replayed.swa.payload[:, dec], exact.swa.payload[:, dec])  # decoder rings hold tails
     np.testing.assert_array_equal(replayed.floor, [n - r, 13 - r])
-    total = sum(split * int(v) + (layers - split) * min(r, int(v)) for v in n_valid)
+    # work counts the rows entering each layer: the split layer (Full) compresses every row, then runs its
+    # attention and FFN on the tail, so it counts them all.
+    total = sum((split + 1) * int(v) + (layers - split - 1) * min(r, int(v)) for v in n_valid)
     assert int(w_replay["work"]) == total and int(w_exact["work"]) == layers * int(n_valid.sum())
-    # split_layer moves the boundary: L{split} on every row, tails from split+1.
-    _, _, w21 = run(ReplayPolicy(window=r, split_layer=split + 1))
-    assert int(w21["work"]) == sum((split + 1) * int(v) + (layers - split - 1) * min(r, int(v)) for v in n_valid)
+    # split_layer moves the boundary: L{split} whole on every row, L{split+1} (Reuse) on the tail only.
+    _, split21, w21 = run(ReplayPolicy(window=r, split_layer=split + 1))
+    assert int(w21["work"]) == total
+    np.testing.assert_array_equal(split21.floor, replayed.floor)
     # decoding after a replayed prefill stays finite and respects the floor
     out, _ = model.decode_step(MINI, mini_params, replayed, jnp.array([1, 2], jnp.int32))
     assert np.isfinite(np.asarray(out)).all()
+
+
+def test_replay_row_without_tokens_comes_out_unchanged(mini_params):
+    """A row with n_valid = 0 in a replayed prefill keeps its whole state: its floor does not rise to its
+    length, so its next decode keeps its decoder window (SPEC §11)."""
+    _, state, _ = model.prefill(MINI, mini_params, init_state(MINI, 2, CAP, "float"), _tokens(11, (2, 12)),
+                                replay=EXACT)
+    before = keep(state)
+    _, after, work = model.prefill(MINI, mini_params, state, _tokens(12, (2, 6)), jnp.array([6, 0], jnp.int32),
+                                   replay=ReplayPolicy(window=4))
+    row1 = jnp.array([1])
+    for x, y in zip(jax.tree.leaves(model.fork(before, row1)), jax.tree.leaves(model.fork(after, row1))):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    np.testing.assert_array_equal(after.floor, [18 - 4, 0])
+    split, layers = MINI.first_decoder_layer, MINI.num_hidden_layers
+    assert int(work["work"]) == (split + 1) * 6 + (layers - split - 1) * 4
+
+
+def test_replay_extend_outside_the_chunk_is_refused(mini_params):
+    with pytest.raises(ValueError, match=r"extend=.*rows \[1\].*Extend.cold"):
+        model.prefill(MINI, mini_params, init_state(MINI, 2, CAP), _tokens(13, (2, 6)), replay=ReplayPolicy(window=4),
+                      extend=model.Extend.cold(jnp.array([8, 5], jnp.int32)))
+    with pytest.raises(ValueError, match=r"extend\.end: float32\[2\]"):
+        model.prefill(MINI, mini_params, init_state(MINI, 2, CAP), _tokens(13, (2, 6)), replay=ReplayPolicy(window=4),
+                      extend=model.Extend(start=jnp.zeros(2, jnp.int32), end=jnp.full(2, 8.0)))
 
 
 # ---------------------------------------------------------------- compile once
