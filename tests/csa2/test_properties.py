@@ -115,13 +115,14 @@ def test_exact_prefill_is_chunk_invariant(mini_params, chunks, seed):
 
 
 @SETTINGS
-@given(chunks=chunkings(), window=st.sampled_from([3, 11, N]), split=st.sampled_from([None, 5]),
+@given(chunks=chunkings(), policy=st.sampled_from([(3, None), (11, None), (11, 5), (N, None)]),
        seed=st.integers(0, 2**16))
-def test_replayed_prefill_is_chunk_invariant(mini_params, chunks, window, split, seed):
+def test_replayed_prefill_is_chunk_invariant(mini_params, chunks, policy, seed):
     """Bounded replay of a prompt fed in any chunking (its `Extend.cold(N)`) ≡ one call: the decoder tail is
     `[N − T, N)` of the whole prompt, whichever chunks hold it (R = 3 and 11: inside one chunk and across
     chunks of S = 8; split 5 cuts before a non-compressing layer). With R ≥ N the chunked prefill is bit for
     bit the exact one under the same chunking."""
+    window, split = policy  # (R, split layer); each policy compiles its own prefill
     replay = ReplayPolicy(window=window, split_layer=split)
     prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (B, N), 0, 256, jnp.int32))
     one_logits, one, _ = model.prefill(MINI, mini_params, init_state(MINI, B, CAP, "float"), jnp.asarray(prompt),
