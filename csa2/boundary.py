@@ -130,6 +130,12 @@ def check_token_ids(cfg: ModelConfig, tokens, n_valid=None) -> None:
                          f"[0, {cfg.vocab_size}); map them through the tokenizer first")
 
 
+def _check_per_row(name: str, x, b: int, what: str) -> None:
+    """`x` is an integer array with one value per row, `[B]`."""
+    if jnp.shape(x) != (b,) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        raise ValueError(f"{name}: {jnp.result_type(x)}{list(jnp.shape(x))}; expected int32 [B={b}], {what}")
+
+
 def check_chunk(cfg: ModelConfig, state: State, tokens, n_valid) -> None:
     """A chunk `tokens [B, S]` (`n_valid [B]` real) written at each row's length fits the state."""
     if not isinstance(state, State):
@@ -138,10 +144,8 @@ def check_chunk(cfg: ModelConfig, state: State, tokens, n_valid) -> None:
     b, s = jnp.shape(tokens)
     if b != state.batch:
         raise ValueError(f"tokens.shape={jnp.shape(tokens)}: expected [B={state.batch}, S] (the state's batch)")
-    if n_valid is not None and (jnp.shape(n_valid) != (b,)
-                                or not jnp.issubdtype(jnp.result_type(n_valid), jnp.integer)):
-        raise ValueError(f"n_valid: {jnp.result_type(n_valid)}{list(jnp.shape(n_valid))}; expected int32 [B={b}], "
-                         "one count per row")
+    if n_valid is not None:
+        _check_per_row("n_valid", n_valid, b, "one count per row")
     cap = capacity(cfg, state)
     if s > cap:
         raise ValueError(f"chunk length {s} exceeds the state capacity {cap}; split the prompt or allocate a "
@@ -166,10 +170,7 @@ def check_extend(state: State, tokens, n_valid, extend) -> None:
         raise ValueError(f"extend: expected a csa2.replay.Extend(start, end) or None, got {type(extend).__name__}")
     b, s = jnp.shape(tokens)
     for name in ("start", "end"):
-        x = getattr(extend, name)
-        if jnp.shape(x) != (b,) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise ValueError(f"extend.{name}: {jnp.result_type(x)}{list(jnp.shape(x))}; expected int32 [B={b}], "
-                             "one position per row")
+        _check_per_row(f"extend.{name}", getattr(extend, name), b, "one position per row")
     start, end, length = concrete(extend.start), concrete(extend.end), concrete(state.length)
     counts = np.full(b, s) if n_valid is None else concrete(n_valid)
     if any(x is None for x in (start, end, length, counts)):
