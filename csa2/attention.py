@@ -71,6 +71,27 @@ def window_ids(positions: Array, start: Array, window: int, slots: int) -> tuple
     return pos, jnp.where(in_chunk, slots + pos - start[:, None, None], pos % slots)
 
 
+def queries(cfg: ModelConfig, params: dict, x: Array, positions: Array, freqs: np.ndarray) -> tuple[Array, Array]:
+    """The query latent `[B, S, q_lora]` (the indexer reads it) and the rotated main queries `[B, S, H, D]` of
+    the normed collapsed residual x [B, S, d] (SPEC §3)."""
+    b, s, _ = x.shape
+    q_lat = rms_norm(linear(x, params["wq_a"], cfg.dtype), params["q_norm"], cfg.rms_norm_eps)
+    q = linear(q_lat, params["wq_b"], cfg.dtype).reshape(b, s, cfg.num_attention_heads, cfg.head_dim)
+    return q_lat, apply_rope(q, positions[:, :, None], freqs)
+
+
+def window_kv(cfg: ModelConfig, params: dict, x: Array, positions: Array, freqs: np.ndarray) -> Array:
+    """The rotated single-head window KV `[B, S, D]` (K = V) of inputs x [B, S, d] (SPEC §3), before storage."""
+    kv = rms_norm(linear(x, params["wkv"], cfg.dtype), params["kv_norm"], cfg.rms_norm_eps)
+    return apply_rope(kv, positions, freqs)
+
+
+def output(cfg: ModelConfig, params: dict, o: Array, positions: Array, freqs: np.ndarray) -> Array:
+    """Attention values o [B, S, H, D] → the sublayer output [B, S, d]: undo the value's RoPE (K = V carries
+    it), then the grouped output projection (SPEC §3)."""
+    return grouped_output(cfg, params, apply_rope(o, positions[:, :, None], freqs, inverse=True))
+
+
 def grouped_output(cfg: ModelConfig, params: dict, o: Array) -> Array:
     """Heads → `o_groups` groups, per-group `W_oa[g]`, concat, `W_ob` (SPEC §3). o [B, S, H, D] → [B, S, d]."""
     b, s, h, dh = o.shape
@@ -111,11 +132,8 @@ def attention(
     freqs = layer_frequencies(cfg, spec.ratio)
 
     # Main Q and this layer's SWA KV (SPEC §3).
-    q_lat = rms_norm(linear(x, params["wq_a"], cfg.dtype), params["q_norm"], cfg.rms_norm_eps)
-    q = linear(q_lat, params["wq_b"], cfg.dtype).reshape(b, s, cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(q, positions[:, :, None], freqs)
-    swa = rms_norm(linear(x, params["wkv"], cfg.dtype), params["kv_norm"], cfg.rms_norm_eps)
-    swa = cache.encode(apply_rope(swa, positions, freqs), ring, quantize)  # [B, S, ·]
+    q_lat, q = queries(cfg, params, x, positions, freqs)
+    swa = cache.encode(window_kv(cfg, params, x, positions, freqs), ring, quantize)  # [B, S, ·]
 
     # Window: positions max(floor, t−W+1) … t, from the ring and this chunk.
     pos, ids = window_ids(positions, chunk.start, cfg.sliding_window, ring.rows)
@@ -145,8 +163,7 @@ def attention(
     if index_loss is not None and spec.role in ("full", "reindex"):
         kl = _index_loss(cfg, spec, index_loss, params["sink"], q, window, window_idx, source, bus.topk, q_index,
                          w_index, positions, valid_q)
-    o = apply_rope(o, positions[:, :, None], freqs, inverse=True)  # value carries RoPE (K = V)
-    out = grouped_output(cfg, params, o)
+    out = output(cfg, params, o, positions, freqs)
 
     slot, keep = cache.ring_slots(positions, valid_q, chunk.end, ring.rows)
     return out, ring.write(slot, swa, keep), bus, kl

@@ -20,6 +20,7 @@ the step is on disk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -28,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from csa2.config import ModelConfig, YarnScaling, model_differences
-from csa2.model import abstract_params
+from csa2.model import DRAFTER, abstract_params
 
 LAYOUT = 2  # parameter layout version, see the module docstring
 _TRAIN_FIRST = "train first with python -m train --out DIR, or pass the directory a run wrote"
@@ -210,3 +212,179 @@ def restore_params(directory, cfg: ModelConfig | None = None, step: int | None =
         params_like = abstract_params(cfg)
         params = _restore_arrays(mngr, directory, step, {"params": params_like})["params"]
     return cfg, params
+
+
+# ---------------------------------------------------------------------------------------------
+# DSpark drafter checkpoints (SPEC §12)
+#
+# `train.dspark` adapts the drafter on a frozen backbone and saves the drafter alone: the same three
+# orbax items, with `params` = the `drafter` subtree of the model's `nnx.State`, `train` = {rng} and,
+# when given, {opt_state}, and `meta` marked `"kind": "drafter"` (full-model checkpoints carry no kind).
+# The model config is stored and checked exactly as above, so a drafter restored into another config
+# is refused by field name before any array is read. `with_drafter` puts a drafter into full params.
+
+DRAFTER_KIND = "drafter"
+
+
+def _kind(meta: dict) -> str:
+    return meta.get("kind", "model")
+
+
+def _require_drafter(meta: dict, directory, step: int) -> None:
+    if _kind(meta) != DRAFTER_KIND:
+        raise ValueError(f"checkpoint {directory} step {step} holds full-model parameters, not a DSpark drafter; keep "
+                         "drafters in a directory of their own (python -m train.dspark --out DIR) and load full models "
+                         "with restore_params")
+
+
+def _drafter_like(cfg: ModelConfig):
+    """The drafter subtree of `abstract_params(cfg)` (shapes only); ValueError when `cfg` has no drafter."""
+    if not cfg.num_nextn_predict_layers:
+        raise ValueError("ModelConfig.num_nextn_predict_layers=0: this config has no DSpark drafter to save or "
+                         "restore; use a config with num_nextn_predict_layers ≥ 1 (every preset has one)")
+    return _abstract_drafter(cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_drafter(cfg: ModelConfig):
+    return abstract_params(cfg)[DRAFTER]
+
+
+def _check_leaves(got, want, what: str, fix: str) -> None:
+    """ValueError naming the (first five) leaves whose presence, dtype or shape differ."""
+    got, want = _leaves(got), _leaves(want)
+    diffs = [f"{name} {got.get(name, 'absent')} (given) vs {want.get(name, 'absent')} (expected)"
+             for name in sorted(got.keys() | want.keys()) if got.get(name) != want.get(name)]
+    if diffs:
+        more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""
+        raise ValueError(f"{what}: " + ", ".join(diffs[:5]) + more + f"; {fix}")
+
+
+def save_drafter(directory, step: int, drafter_params, cfg: ModelConfig, *, opt_state=None, rng=None,
+                 data_step: int | None = None, extra: dict | None = None, keep: int = 3) -> None:
+    """Save the drafter (`params["drafter"]`, an `nnx.State`) of `cfg` at `step`, synchronously, keeping the newest
+    `keep` steps; `opt_state` and `rng` (for resuming its training) are optional. Parameters that are not `cfg`'s
+    drafter, or a directory holding full-model checkpoints or another config's, are refused."""
+    step = int(step)
+    if keep < 1:
+        raise ValueError(f"save_drafter: keep={keep!r}; keep at least the newest checkpoint (keep ≥ 1)")
+    _check_leaves(drafter_params, _drafter_like(cfg), "save_drafter: drafter_params is not this config's drafter",
+                  "pass params['drafter'] of the model built from cfg")
+    try:
+        extra_json = json.loads(json.dumps(extra or {}, default=_to_json))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_drafter: extra must be JSON-serializable ({e}); pass numbers, strings, lists and "
+                         "dicts") from e
+    train = {"rng": jnp.zeros((2,), jnp.uint32) if rng is None else rng}
+    if opt_state is not None:
+        train["opt_state"] = opt_state
+    with _manager(directory, keep=keep, create=True) as mngr:
+        latest = mngr.latest_step()
+        if latest is not None:
+            meta = _meta(mngr, latest)
+            _require_drafter(meta, directory, latest)
+            _check_config(_config_from_json(meta["config"], directory), cfg, directory, latest)
+        if step in mngr.all_steps():
+            mngr.delete(step)
+        meta = {"config": _config_to_json(cfg), "layout": LAYOUT, "kind": DRAFTER_KIND, "step": step,
+                "data_step": step if data_step is None else int(data_step), "has_opt_state": opt_state is not None,
+                "extra": extra_json}
+        mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(drafter_params),
+                                                train=ocp.args.StandardSave(train), meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
+
+
+def _open_drafter(mngr: ocp.CheckpointManager, directory, cfg: ModelConfig, step: int | None) -> tuple[int, dict]:
+    """(step, meta) of a drafter checkpoint whose config matches `cfg`."""
+    step = _resolve_step(mngr, directory, step)
+    meta = _meta(mngr, step)
+    _require_drafter(meta, directory, step)
+    _check_config(_config_from_json(meta["config"], directory), cfg, directory, step)
+    return step, meta
+
+
+def check_drafter_dir(directory, cfg: ModelConfig) -> None:
+    """Before a run writes drafter checkpoints of `cfg` to `directory`: ValueError if its newest checkpoint is a
+    full model's or another config's (nothing is read when the directory holds none)."""
+    if latest_step(directory) is None:
+        return
+    with _manager(directory) as mngr:
+        step = mngr.latest_step()
+        meta = _meta(mngr, step)
+        _require_drafter(meta, directory, step)
+        _check_config(_config_from_json(meta["config"], directory), cfg, directory, step)
+
+
+def restore_drafter(directory, cfg: ModelConfig, step: int | None = None):
+    """The drafter `nnx.State` saved at `step` (latest when None), bit-identical; its config must match `cfg`
+    (ValueError naming every differing field). Put it into full params with `with_drafter`."""
+    _require_dir(directory)
+    like = _drafter_like(cfg)
+    with _manager(directory) as mngr:
+        step, _ = _open_drafter(mngr, directory, cfg, step)
+        return _restore_arrays(mngr, directory, step, {"params": like})["params"]
+
+
+def restore_drafter_training(directory, cfg: ModelConfig, *, opt_state_like, step: int | None = None) -> dict:
+    """Resume a drafter's training: {"step", "drafter", "opt_state", "data_step", "rng", "extra"} of `step`
+    (latest when None); the checkpoint must have been saved with an `opt_state`."""
+    _require_dir(directory)
+    like = _drafter_like(cfg)
+    with _manager(directory) as mngr:
+        step, meta = _open_drafter(mngr, directory, cfg, step)
+        if not meta.get("has_opt_state"):
+            raise ValueError(f"checkpoint {directory} step {step}: the drafter was saved without optimizer state, so "
+                             "its training cannot resume; start a new run or use restore_drafter")
+        rng = mngr.item_metadata(step)["train"].tree["rng"]
+        out = _restore_arrays(mngr, directory, step, {
+            "params": like, "train": {"opt_state": opt_state_like, "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype)}})
+    return {"step": step, "drafter": out["params"], "opt_state": out["train"]["opt_state"],
+            "data_step": meta["data_step"], "rng": out["train"]["rng"], "extra": meta["extra"]}
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _variables(tree) -> tuple[list, Any]:
+    """([(path of names, variable)], treedef) with every `nnx.Variable` a leaf."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [(tuple(_key_name(k) for k in path), v) for path, v in flat], treedef
+
+
+def with_drafter(params, drafter):
+    """Full model `params` (`nnx.State`) with the `drafter` subtree replaced by `drafter` (e.g. `restore_drafter`'s),
+    in the pytree structure of `params`, so jitted inference sees the same arguments and does not retrace.
+    Every drafter variable must match in path, variable type, dtype and shape (ValueError naming them)."""
+    full, treedef = _variables(params)
+    new = dict(_variables(drafter)[0])
+    old = {path[1:]: v for path, v in full if path[0] == DRAFTER}
+    if not old:
+        raise ValueError(f"with_drafter: params has no {DRAFTER!r} subtree; build params from a config with "
+                         "num_nextn_predict_layers ≥ 1 (model.init_params or restore_params)")
+
+    def sig(v) -> str:
+        if v is None:
+            return "absent"
+        x = v.get_value()
+        return f"{type(v).__name__} {np.dtype(x.dtype)}{list(np.shape(x))}"
+
+    diffs = [f"{'.'.join(p)} {sig(new.get(p))} (drafter) vs {sig(old.get(p))} (params)"
+             for p in sorted(old.keys() | new.keys()) if sig(new.get(p)) != sig(old.get(p))]
+    if diffs:
+        more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""
+        raise ValueError("with_drafter: the drafter does not fit params: " + ", ".join(diffs[:5]) + more
+                         + "; restore the drafter with the config of these params")
+    leaves = [new[path[1:]] if path[0] == DRAFTER else v for path, v in full]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def restore_with_drafter(backbone_dir, drafter_dir, cfg: ModelConfig | None = None, *,
+                         step: int | None = None, drafter_step: int | None = None) -> tuple[ModelConfig, Any]:
+    """(config, params) for speculative inference: the backbone of `backbone_dir` (`python -m train`) with the
+    adapted drafter of `drafter_dir` (`python -m train.dspark`); both must hold `cfg` (default: the backbone's)."""
+    cfg, params = restore_params(backbone_dir, cfg, step)
+    return cfg, with_drafter(params, restore_drafter(drafter_dir, cfg, drafter_step))

@@ -40,6 +40,7 @@ def inspect_report(name: str, context: int, batch: int = 1, cache_format: str = 
         f"  SWA rings, W slots (SPEC §8)   {_mb(batch * swa_bytes_per_sequence(cfg, cache_format)):>16}",
         f"  SWA rings, W + max_draft slots {_mb(parts['swa']):>16}",
         f"  compressor tails               {_mb(parts['tails']):>16}",
+        f"  DSpark context windows         {_mb(parts['draft']):>16}",
         f"  history, accept, length, floor {_mb(parts['tokens'] + parts['accept'] + parts['length'] + parts['floor']):>16}",
         f"  total state                    {_mb(parts['total']):>16}",
     ]

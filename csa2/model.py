@@ -8,6 +8,9 @@ output into the decoder's Global KV) → final collapse → norm → LM head (`c
   consumed and its buffers are reused for the returned one, so a decode loop driven from the host
   never copies the Global KV. Keep a state you still need with `fork` (a copy) before passing it on.
 - `commit` (set `length`) and `fork` (gather rows) are one-liners on the state pytree.
+- With a DSpark drafter (`num_nextn_predict_layers > 0`), `prefill`, `decode_step` and `verify` also
+  write its context windows for the rows they compute, and `draft` proposes γ tokens from them
+  (SPEC §12, `csa2.dspark`); it reads the state and writes nothing.
 - `forward` is the teacher-forced model for training; `update_router_bias` its balancing rule.
 Each entry point checks its arguments on the host before tracing (`csa2.boundary`).
 """
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from csa2 import boundary, index_loss as index_loss_lib
+from csa2 import boundary, dspark, index_loss as index_loss_lib
 from csa2.boundary import entry_point
 from csa2.config import ModelConfig
 from csa2.layout import layer_groups
@@ -33,12 +36,16 @@ from csa2.state import State, init_state, token_granule
 Array = jax.Array
 
 __all__ = ["Model", "init_params", "as_module", "abstract_params", "prefill", "decode_step", "verify", "commit", "fork",
-           "forward", "update_router_bias", "ReplayPolicy", "EXACT", "Extend", "init_state"]
+           "draft", "forward", "update_router_bias", "ReplayPolicy", "EXACT", "Extend", "init_state", "DRAFTER"]
+
+DRAFTER = dspark.DRAFTER  # the subtree of the DSpark drafter's parameters (`csa2.dspark.Drafter`)
 
 
 class Model(nnx.Module):
     """Every parameter of the model: embedding, the layer groups (stacked as `layout.layer_groups`), the
-    final norm and the LM head. Calling it runs `forward` on its own parameters (for `nnx.tabulate`)."""
+    final norm, the LM head and, when `num_nextn_predict_layers > 0`, the DSpark drafter under `drafter`
+    (frozen-backbone training selects it alone). Calling it runs `forward` on its own parameters (for
+    `nnx.tabulate`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, v, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
@@ -47,6 +54,8 @@ class Model(nnx.Module):
         self.groups = nnx.List([stacked_layers(cfg, group, rngs) for group in layer_groups(cfg)])
         self.norm = ones((d,), ("embed",))
         self.head = normal(rngs, (d, v), std, ("embed", "vocab"))
+        if cfg.num_nextn_predict_layers:
+            self.drafter = dspark.Drafter(cfg, rngs)
 
     def __call__(self, tokens: Array) -> Array:
         """Teacher-forced logits [B, S, V] of `tokens [B, S]` (float numerics)."""
@@ -80,6 +89,18 @@ def _last_logits(cfg: ModelConfig, p: dict, out: StackOut) -> Array:
     return head_logits(cfg, p, take_rows(out.X, last), take_rows(out.pre, last))[:, 0]
 
 
+def _with_context(cfg: ModelConfig, p: dict, start: Array, out: StackOut) -> State:
+    """The call's new state with the drafter's context windows written for the rows that reached the head
+    (SPEC §12): what a later `draft` reads. Without a drafter the state is returned as it is."""
+    if DRAFTER not in p:
+        return out.state
+    t = out.rows.shape[1]
+    valid = jnp.arange(t, dtype=jnp.int32)[None] < out.n_rows[:, None]
+    windows = dspark.write_context(cfg, p[DRAFTER], out.state.draft, out.features, start[:, None] + out.rows, valid,
+                                   out.state.length, quantize=True)
+    return out.state.replace(draft=windows)
+
+
 def _check_prefill(cfg, params, state, tokens, n_valid, replay, extend) -> None:
     boundary.check_config(cfg)
     boundary.check_replay(cfg, replay)
@@ -102,8 +123,8 @@ def prefill(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array, n_
     """
     n_valid = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     p = arrays(params)
-    out = stack(cfg, p, state, tokens, n_valid, replay, quantize=True, extend=extend)
-    return _last_logits(cfg, p, out), out.state, {"work": out.work}
+    out = stack(cfg, p, state, tokens, n_valid, replay, quantize=True, extend=extend, features=DRAFTER in p)
+    return _last_logits(cfg, p, out), _with_context(cfg, p, state.length, out), {"work": out.work}
 
 
 def _check_decode(cfg, params, state, tokens) -> None:
@@ -120,8 +141,8 @@ def decode_step(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array
     """One token per row `tokens [B]` through all layers: logits [B, V] and the state with length + 1."""
     ones_ = jnp.ones(tokens.shape, jnp.int32)
     p = arrays(params)
-    out = stack(cfg, p, state, tokens[:, None], ones_, EXACT, quantize=True)
-    return _last_logits(cfg, p, out), out.state
+    out = stack(cfg, p, state, tokens[:, None], ones_, EXACT, quantize=True, features=DRAFTER in p)
+    return _last_logits(cfg, p, out), _with_context(cfg, p, state.length, out)
 
 
 def _check_verify(cfg, params, state, tokens) -> None:
@@ -142,11 +163,12 @@ def verify(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array) -> 
     """
     b, s = tokens.shape
     p = arrays(params)
-    out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), EXACT, quantize=True)
+    out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), EXACT, quantize=True, features=DRAFTER in p)
     accept = state.accept.replace(tokens=state.accept.tokens.at[:, :s].set(tokens), count=jnp.zeros_like(state.length),
                                   width=jnp.full_like(state.length, s))
     # Speculative: buffers hold positions L … L+γ, but nothing is committed until `commit`.
-    return head_logits(cfg, p, out.X, out.pre), out.state.replace(length=state.length, accept=accept)
+    new = _with_context(cfg, p, state.length, out)
+    return head_logits(cfg, p, out.X, out.pre), new.replace(length=state.length, accept=accept)
 
 
 def commit(state: State, accept_lens: Array, bonus: Array) -> State:
@@ -170,6 +192,30 @@ def commit(state: State, accept_lens: Array, bonus: Array) -> State:
     return state.replace(length=state.length + accept_lens, accept=accept)
 
 
+def _check_draft(cfg, params, state, anchor, key, temperature, top_p) -> None:
+    boundary.check_config(cfg)
+    if not cfg.num_nextn_predict_layers:
+        raise ValueError("num_nextn_predict_layers=0: this config has no DSpark drafter; use a config with "
+                         "num_nextn_predict_layers ≥ 1 (the presets have one)")
+    if jnp.shape(anchor) != jnp.shape(state.length):
+        raise ValueError(f"anchor.shape={jnp.shape(anchor)}: draft takes one anchor per row {jnp.shape(state.length)} "
+                         "(the token sampled at position length)")
+    if not jnp.issubdtype(jnp.result_type(anchor), jnp.integer):
+        raise ValueError(f"anchor.dtype={jnp.result_type(anchor)}: token ids must be integers")
+    ids = boundary.concrete(anchor)
+    if ids is not None:
+        boundary.check_token_ids(cfg, ids[:, None])
+
+
+@entry_point(_check_draft, static_argnames=("cfg",))
+def draft(cfg: ModelConfig, params: nnx.State, state: State, anchor: Array, key: Array,
+          temperature: Array = 0.0, top_p: Array = 1.0) -> dspark.Proposal:
+    """DSpark's γ = `dspark_block_size` drafts after `anchor [B]`, the sampled token at each row's position
+    `length` (SPEC §12): tokens, the logits each was drawn from, confidences. Reads the state, writes
+    nothing; `verify` then scores [anchor, drafts]. `temperature` 0 drafts greedily."""
+    return dspark.propose(cfg, arrays(params), state, anchor, key, jnp.float32(temperature), jnp.float32(top_p))
+
+
 def fork(state: State, rows: Array) -> State:
     """A state whose row i is row `rows[i]` of `state` (beams, parallel samples): a gather, nothing shared."""
     rows = jnp.asarray(rows, jnp.int32)
@@ -179,21 +225,24 @@ def fork(state: State, rows: Array) -> State:
 # ---------------------------------------------------------------------------------------------
 # Training
 
-def _check_forward(cfg, params, tokens, qat, replay, index_loss) -> None:
+def _check_forward(cfg, params, tokens, qat, replay, index_loss, features) -> None:
     boundary.check_config(cfg)
     boundary.check_replay(cfg, replay)
     boundary.check_token_ids(cfg, tokens)
     if index_loss is not None and index_loss not in index_loss_lib.MODES:
         raise ValueError(f"index_loss={index_loss!r}: use one of {index_loss_lib.MODES} or None")
+    if features and not cfg.dspark_target_layer_ids:
+        raise ValueError("features=True: dspark_target_layer_ids is empty, so there are no target features")
 
 
-@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "index_loss"))
+@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "index_loss", "features"))
 def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = False, replay: ReplayPolicy = EXACT,
-            index_loss: str | None = None) -> tuple[Array, dict]:
+            index_loss: str | None = None, features: bool = False) -> tuple[Array, dict]:
     """Teacher-forced logits for training: `tokens [B, S]` → logits of the rows that reach the head
     `[B, T, V]` (T = S in exact mode; the decoder tail under `replay`), and aux outputs
     (`load [L, E]` MoE loads for `update_router_bias`, `index_kl [L]` the indexer KL of SPEC §13 per
-    layer when `index_loss` is "sparse" or "dense", `rows [B, T]` chunk rows of the logits).
+    layer when `index_loss` is "sparse" or "dense", `rows [B, T]` chunk rows of the logits, and with
+    `features=True` the DSpark target features `[B, T, n_t, d]` of those rows, SPEC §12).
 
     `qat=True` runs the SPEC §8 fake-quant (straight-through) on Main KV, Indexer Q/K and window KV,
     exactly as inference stores them; `qat=False` is the float model.
@@ -202,8 +251,12 @@ def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = F
     granule = token_granule(cfg)
     state = init_state(cfg, b, -(-s // granule) * granule, "float")
     p = arrays(params)
-    out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, index_loss=index_loss)
-    return head_logits(cfg, p, out.X, out.pre), {"load": out.load, "index_kl": out.index_kl, "rows": out.rows}
+    out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, index_loss=index_loss,
+                features=features)
+    aux = {"load": out.load, "index_kl": out.index_kl, "rows": out.rows}
+    if features:
+        aux["features"] = out.features
+    return head_logits(cfg, p, out.X, out.pre), aux
 
 
 def update_router_bias(cfg: ModelConfig, params: nnx.State, load: Array, rate: float) -> nnx.State:

@@ -104,12 +104,14 @@ def split_layers(cfg: ModelConfig, per_layer: Array) -> list[list[Array]]:
 @chex.dataclass(frozen=True)
 class Flow:
     """What flows from layer to layer: residual streams X [B, T, n, d], the `pre` handed on [B, T, n]
-    (single-pass mHC, SPEC §10), the bus of selections, and the request state being written."""
+    (single-pass mHC, SPEC §10), the bus of selections, the request state being written, and (when the
+    call collects them) the DSpark target features [B, T, len(dspark_target_layer_ids), d] (SPEC §12)."""
 
     X: Array
     pre: Array
     bus: Bus
     state: State
+    features: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,7 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
         if ctx.rows is not None:
             hashes = take_rows(hashes, ctx.rows)
         X = engram_lib.engram(cfg, p["engram"], X, hashes, chunk.valid(X.shape[1]))
+    features = None if flow.features is None else _collect(cfg, flow.features, X, index)
     x, pre, post, comb = site_input(cfg, p["attn_hc"], p["attn_norm"], X, flow.pre)
 
     source = None
@@ -171,7 +174,7 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
             state = state.replace(global_kv=_replace(state.global_kv, stack, source.stack()),
                                   tails=_replace(state.tails, stack, tails))
     if enter is not None:
-        X, x, pre, post, comb, bus = _take_tail((X, x, pre, post, comb, bus), enter)
+        X, x, pre, post, comb, bus, features = _take_tail((X, x, pre, post, comb, bus, features), enter)
         chunk = enter.chunk
 
     out, ring, bus, kl = attention(cfg, spec, p["attn"], x, chunk, _ring(state.swa, index), source, bus,
@@ -181,7 +184,15 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
     x, ffn_pre, post, comb = site_input(cfg, p["ffn_hc"], p["ffn_norm"], X, pre)
     y, load = moe(cfg, p["moe"], x)
     X = mhc.update(X, y, post, comb)
-    return Flow(X=X, pre=ffn_pre, bus=bus, state=state), (load, kl)
+    return Flow(X=X, pre=ffn_pre, bus=bus, state=state, features=features), (load, kl)
+
+
+def _collect(cfg: ModelConfig, features: Array, X: Array, index: Array) -> Array:
+    """`features` with the per-token mean over mHC streams of this layer's attention-site input X [B, T, n, d]
+    in the slot of `index` if it is a DSpark target layer (SPEC §12; `index` may be traced)."""
+    hit = jnp.asarray(cfg.dspark_target_layer_ids, jnp.int32) == index  # [n_t]
+    mean = jnp.mean(X.astype(jnp.float32), axis=-2)[:, :, None, :]  # [B, T, 1, d]
+    return jnp.where(hit[None, None, :, None], mean, features)
 
 
 def _take_tail(tree, tail: DecoderTail):
@@ -327,6 +338,7 @@ class StackOut:
     load: Array  # [L, E] MoE load per layer
     index_kl: Array  # [L] indexer KL loss per layer (SPEC §13; 0 where not computed)
     work: Array  # int32: token×layer count processed (instrumentation of SPEC §11)
+    features: Array | None  # [B, T, n_t, d] DSpark target features of the rows in X (when collected)
 
 
 def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Array:
@@ -338,9 +350,11 @@ def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Arr
 
 
 def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: Array, replay: ReplayPolicy, *,
-          quantize: bool, extend: Extend | None = None, index_loss: str | None = None) -> StackOut:
+          quantize: bool, extend: Extend | None = None, index_loss: str | None = None,
+          features: bool = False) -> StackOut:
     """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real) of
-    `extend` (None: the chunk is the whole extend).
+    `extend` (None: the chunk is the whole extend). `features`: also collect the DSpark target features
+    of the rows that reach the head (SPEC §12).
 
     Three segments: before the split every row runs with no floor; at the split the flow enters the
     decoder tail (bounded replay only; inside the split layer when it compresses, before it otherwise);
@@ -353,7 +367,9 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     history = _history(cfg, state, tokens, chunk.start) if cfg.engram_layer_ids else None
     X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
     flow = Flow(X=X, pre=jnp.broadcast_to(mhc.first_pre(cfg.hc_mult), (b, s, cfg.hc_mult)),
-                bus=Bus.empty(cfg, b, s), state=state)
+                bus=Bus.empty(cfg, b, s), state=state,
+                features=jnp.zeros((b, s, len(cfg.dspark_target_layer_ids), cfg.hidden_size), jnp.float32)
+                if features else None)
     before, at, after = segments(cfg, plan.split, plan.cut)
     everyone = Context(chunk=chunk, history=history, rows=None, quantize=quantize, index_loss=index_loss)
     tail = Context(chunk=plan.tail.chunk, history=history, rows=plan.tail.rows if plan.cut else None,
@@ -370,8 +386,8 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
         ys.append(y)
         work += jnp.sum(chunk.n_valid)  # every row enters the split layer
     elif plan.cut:  # the split layer does not compress: the tail enters before it
-        X, pre, bus = _take_tail((flow.X, flow.pre, flow.bus), plan.tail)
-        flow = flow.replace(X=X, pre=pre, bus=bus)
+        X, pre, bus, collected = _take_tail((flow.X, flow.pre, flow.bus, flow.features), plan.tail)
+        flow = flow.replace(X=X, pre=pre, bus=bus, features=collected)
     for unit in after:
         flow, y = run_unit(cfg, params, unit, flow, tail)
         ys.append(y)
@@ -384,7 +400,7 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
         tokens_ring = cache.ring_scatter(tokens_ring, chunk.positions(s), tokens, chunk.valid(s), chunk.end)
     state = state.replace(length=chunk.end, floor=plan.tail.chunk.floor, tokens=tokens_ring)
     return StackOut(X=flow.X, pre=flow.pre, rows=plan.tail.rows, n_rows=plan.tail.chunk.n_valid, state=state,
-                    load=load, index_kl=kl, work=work)
+                    load=load, index_kl=kl, work=work, features=flow.features)
 
 
 def logits(cfg: ModelConfig, params: dict, X: Array, pre: Array) -> Array:

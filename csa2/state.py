@@ -4,7 +4,9 @@ DESIGN §2. `length[B]` (tokens committed per row) is the single source of truth
 - Global entry `i` of a ratio-r source is valid iff `i < length // r` (SPEC §4);
 - ring slot `p % slots` holds position `p` for the valid positions `[length − W, length)`;
 - the compressor tail of a ratio-r source is the positions `[r·(length // r), length)`;
-- the Engram token history holds the last `engram_max_ngram_size − 1` positions.
+- the Engram token history holds the last `engram_max_ngram_size − 1` positions;
+- each DSpark draft stage's context window (SPEC §12) is a ring like the SWA rings, written by every
+  call for the rows whose target features it computed.
 Everything beyond `length` is scratch, so commit after verify is "set `length`", rollback is
 "keep the previous pytree" and fork is "gather rows" (all in `csa2.model`).
 
@@ -143,6 +145,7 @@ class State:
     tails: tuple[CompressorTail, ...]  # one per stack of `layout.kv_stacks(cfg)`
     tokens: Array  # [B, history_slots] int32 Engram token history, slot = pos % history_slots
     accept: AcceptBuffer
+    draft: Stored  # DSpark context windows, WINDOW entries [B, stages, W + max_draft + 1, ·], slot = pos % slots
 
     @property
     def batch(self) -> int:
@@ -152,6 +155,12 @@ class State:
 def ring_slots(cfg: ModelConfig) -> int:
     """SWA ring size: the window plus room for a verify block's speculative writes."""
     return cfg.sliding_window + cfg.max_draft
+
+
+def draft_slots(cfg: ModelConfig) -> int:
+    """DSpark context ring size: the window `[L − W, L − 1]` ends one position before a backbone window, so it
+    needs one slot more than `ring_slots` to stay intact while a verify block writes `L … L + max_draft`."""
+    return ring_slots(cfg) + 1
 
 
 def tail_slots(cfg: ModelConfig, ratio: int) -> int:
@@ -208,6 +217,7 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int, cache_format: str = 
         tokens=jnp.full((batch, history_slots(cfg)), cfg.engram_pad_id, jnp.int32),
         accept=AcceptBuffer(tokens=jnp.zeros((batch, cfg.max_draft + 1), jnp.int32),
                             count=jnp.zeros((batch,), jnp.int32), width=jnp.zeros((batch,), jnp.int32)),
+        draft=Stored.empty((batch, cfg.num_nextn_predict_layers, draft_slots(cfg)), cfg.head_dim, WINDOW, packed),
     )
 
 
@@ -229,6 +239,7 @@ def state_bytes(state: State) -> dict[str, int]:
         "tails": _nbytes(state.tails),
         "tokens": _nbytes(state.tokens),
         "accept": _nbytes(state.accept),
+        "draft": _nbytes(state.draft),
         "length": _nbytes(state.length),
         "floor": _nbytes(state.floor),
     }

@@ -57,6 +57,7 @@ from csa2.replay import EXACT, ReplayPolicy
 from csa2.stack import compresses
 from csa2.state import init_state, state_bytes, token_granule
 from infer import generate
+from infer.values import round_up
 
 CACHE_FORMAT = "fp4"
 GIB = 1 << 30
@@ -152,10 +153,6 @@ def _tokens(cfg, n: int, seed: int) -> jax.Array:
     return jnp.asarray(rng.integers(0, min(cfg.vocab_size, 256), size=(1, n)), jnp.int32)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def _compile(fn, *args):
     """(compiled, lower seconds, compile seconds) of a jitted function; static args passed positionally."""
     t0 = time.perf_counter()
@@ -196,7 +193,7 @@ def bench_decode(rep: Reporter, cfg, params, contexts: list[int], steps: int, wa
     """Steady-state `decode_step` at each context (tokens already in the state), contexts interleaved."""
     runs = []
     for ctx in contexts:
-        cap = _round_up(ctx + warmup + steps, max(64, token_granule(cfg)))
+        cap = round_up(ctx + warmup + steps, max(64, token_granule(cfg)))
         state = init_state(cfg, 1, cap, CACHE_FORMAT)
         if fill == "prefill":
             # A real prompt of `ctx` tokens through the default (bounded) replay prefill.
@@ -245,7 +242,7 @@ def bench_donation(rep: Reporter, cfg, params, context: int, batch: int, steps: 
     """`decode_step` (state donated) and its undonated twin on equal states of `batch` rows at `context`
     tokens, steps interleaved. Without donation each step allocates and writes a new copy of the whole
     state; with it the outputs alias the inputs (`aliased_gib`)."""
-    cap = _round_up(context + steps + 2, max(64, token_granule(cfg)))
+    cap = round_up(context + steps + 2, max(64, token_granule(cfg)))
     tok = jnp.full((batch,), 65, jnp.int32)
     runs = {}
     for key, fn in (("donated", model.decode_step), ("undonated", model.decode_step.without_donation())):
@@ -272,7 +269,7 @@ def bench_host_loop(rep: Reporter, cfg, params, context: int, batch: int, steps:
     """A host-driven greedy loop (argmax fed back) through `decode_step` and through `decode_step.trusted`,
     whole loops alternated `rounds` times: the checked call waits for the previous step to read its
     values; the trusted one only checks shapes, so the next step is dispatched while this one runs."""
-    cap = _round_up(context + rounds * (steps + 3) + 2, max(64, token_granule(cfg)))
+    cap = round_up(context + rounds * (steps + 3) + 2, max(64, token_granule(cfg)))
 
     def loop(call) -> float:
         state = init_state(cfg, batch, cap, CACHE_FORMAT).replace(length=jnp.full((batch,), context, jnp.int32))

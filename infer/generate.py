@@ -33,7 +33,9 @@ import numpy as np
 from csa2 import model
 from csa2.config import EOS_ID, PAD_ID, ModelConfig
 from csa2.replay import ReplayPolicy
+from csa2.sampling import sample
 from csa2.state import State, init_state, token_granule, validate_state_args
+from infer.values import is_int, is_number, pow2, round_up
 
 Array = jax.Array
 
@@ -48,9 +50,9 @@ class Sampling:
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
+        if not is_number(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"Sampling.temperature={t!r}: use a finite number ≥ 0 (0 = greedy)")
-        if not _is_number(p) or not 0 < p <= 1:
+        if not is_number(p) or not 0 < p <= 1:
             raise ValueError(f"Sampling.top_p={p!r}: use a number in (0, 1] (1 = no nucleus truncation)")
 
 
@@ -85,33 +87,6 @@ class Plan(NamedTuple):
         """The static keyword arguments of `generate_loop`."""
         return dict(capacity=self.capacity, max_new_tokens=self.max_new_tokens, replay=self.replay,
                     cache_format=self.cache_format)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling (inside jit)
-
-def nucleus(logits: Array, top_p: Array) -> Array:
-    """Mask [B, V] logits outside the top-p nucleus to −inf: the smallest set of most likely tokens
-    whose probability reaches `top_p` (sort, cumulate, cut). The top token is always kept; tokens tied
-    with the cut-off logit are kept too. Sampling the masked logits renormalizes over the nucleus."""
-    ranked = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V] descending
-    probs = jax.nn.softmax(ranked, axis=-1)
-    above = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked before each one
-    cutoff = jnp.min(jnp.where(above < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits >= cutoff, logits, -jnp.inf)
-
-
-def sample(logits: Array, key: Array, temperature: Array, top_p: Array) -> Array:
-    """One token per row [B] int32 from logits [B, V]: argmax when `temperature` is 0, else a draw from
-    the tempered nucleus. A runtime `lax.cond`, so greedy skips the sort and no setting recompiles."""
-    def greedy(_):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def drawn(_):
-        scaled = logits.astype(jnp.float32) / temperature
-        return jax.random.categorical(key, nucleus(scaled, top_p), axis=-1).astype(jnp.int32)
-
-    return jax.lax.cond(temperature > 0, drawn, greedy, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,26 +132,6 @@ def generate_loop(cfg: ModelConfig, params: dict, tokens: Array, n_valid: Array,
 # ---------------------------------------------------------------------------------------------
 # Host side: validation and buckets (DESIGN §7)
 
-def _is_int(x) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_number(x) -> bool:
-    """A Python or numpy real number, not a bool."""
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two ≥ n (n ≥ 1)."""
-    return 1 << (n - 1).bit_length()
-
-
-def _round_up(n: int, m: int) -> int:
-    """n rounded up to a multiple of m."""
-    return -(-n // m) * m
-
-
 def _rows(prompts, lengths) -> list[np.ndarray]:
     """The prompts as a list of 1-D integer arrays, from a list of sequences or a [B, S] array + lengths."""
     if isinstance(prompts, (list, tuple)):
@@ -216,16 +171,16 @@ def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampli
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg: expected a csa2.config.ModelConfig, got {type(cfg).__name__}")
     rows = _rows(prompts, lengths)
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer ≥ 1")
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling={sampling!r}: pass an infer.generate.Sampling(temperature=..., top_p=...)")
-    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
+    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
         raise ValueError(f"eos_id={eos_id!r}: must be a token id in [0, {cfg.vocab_size}), or None for no EOS")
     if not isinstance(replay, ReplayPolicy):
         raise ValueError(f"replay={replay!r}: pass a csa2.replay.ReplayPolicy (EXACT for the reference mode)")
     replay.check(cfg)
-    if not _is_int(seed) or not 0 <= seed < 2**32:
+    if not is_int(seed) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r}: must be an integer in [0, 2**32) (a 32-bit PRNG seed)")
     for i, row in enumerate(rows):
         bad = row[(row < 0) | (row >= cfg.vocab_size)]
@@ -241,8 +196,8 @@ def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampli
                          f"{longest + max_new_tokens} positions exceed {limit} (max_position_embeddings="
                          f"{cfg.max_position_embeddings} rounded down to a multiple of {granule}); "
                          "shorten the prompt or lower max_new_tokens")
-    bucket = min(_round_up(_pow2(longest), granule), limit)
-    capacity = min(_round_up(_pow2(bucket + max_new_tokens), granule), limit)
+    bucket = min(round_up(pow2(longest), granule), limit)
+    capacity = min(round_up(pow2(bucket + max_new_tokens), granule), limit)
     validate_state_args(cfg, len(rows), capacity, cache_format)
     tokens = np.full((len(rows), bucket), PAD_ID, np.int32)
     for i, row in enumerate(rows):

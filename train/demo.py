@@ -6,8 +6,11 @@ never imports the trainer).
 1. trains the `demo` preset (every CSA2 role, 8 layers) on CPython's `pydoc_data.topics`;
 2. saves a checkpoint and reports validation bits per byte (float and FP4/FP8 numerics);
 3. continues a few prompts in one batched, jitted generation loop (tokens/s after compile);
-4. reports KV bytes per token and the prefill token×layer saving of bounded replay (SPEC §11).
-The last three lines are machine-readable: `val_bpb`, `tokens_per_s`, `kv_bytes_per_token`.
+4. reports KV bytes per token and the prefill token×layer saving of bounded replay (SPEC §11);
+5. adapts the DSpark drafter on the frozen backbone (`train.dspark`, SPEC §12) and decodes the prompts
+   greedily both ways: plain `generate` and speculative decoding (token-identical, checked).
+The last six lines are machine-readable: `val_bpb`, `tokens_per_s`, `kv_bytes_per_token`, then
+`spec_tokens_per_s`, `plain_tokens_per_s`, `mean_accept`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state, kv_bytes_per_token
 from csa2.tokenizer import decode, encode
 from infer import generate
+from infer.speculative import speculative_generate
 from train.data import load_corpus
+from train.dspark import DSparkTrainConfig, adapt
 from train.loop import evaluate, train
 from train.step import TrainConfig
 
@@ -42,12 +47,34 @@ def replay_saving(cfg, params, prompt: np.ndarray, window: int) -> dict:
     return {"prompt_tokens": int(prompt.size), "window": window, **work, "saving": 1 - work["replay"] / work["exact"]}
 
 
+def speculative_vs_plain(cfg, params, prompts, max_new_tokens: int, compiled) -> dict:
+    """Greedy decoding of `prompts` in one batch, plain (`compiled`: the generate loop of these shapes) and
+    speculative, each timed on its second (warm) call; the outputs must be token-identical (SPEC §12)."""
+    plan = generate.plan(cfg, prompts, max_new_tokens=max_new_tokens)
+    runs = {"plain": lambda: generate.run(cfg, params, plan, compiled),
+            "spec": lambda: speculative_generate(cfg, params, prompts, max_new_tokens=max_new_tokens)}
+    out = {}
+    for name, run in runs.items():
+        run()  # compile
+        t0 = time.perf_counter()
+        res = run()
+        jax.block_until_ready(res.state.length)
+        out[name] = (res, time.perf_counter() - t0)
+    (plain, plain_s), (spec, spec_s) = out["plain"], out["spec"]
+    if not (np.array_equal(plain.tokens, spec.tokens) and np.array_equal(plain.lengths, spec.lengths)):
+        raise AssertionError("speculative greedy output differs from plain greedy generate")
+    return {"plain_tokens_per_s": plain.lengths.sum() / plain_s, "spec_tokens_per_s": spec.lengths.sum() / spec_s,
+            "mean_accept": spec.mean_accept, "steps": spec.steps, "tokens": int(spec.lengths.sum()),
+            "position_acceptance": [a / t if t else 0.0 for a, t in zip(spec.position_accepts, spec.position_tries)]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__)
     p.add_argument("--preset", default="demo")
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--dspark-steps", type=int, default=100)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     cfg = preset(args.preset)
@@ -89,10 +116,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{saving['replay']:,} token×layer vs {saving['exact']:,} exact ({100 * saving['saving']:.1f}% saved)")
     kv = kv_bytes_per_token(cfg)
     print(f"# Global KV {kv:.1f} B/token for {args.preset} ({kv_bytes_per_token(preset('v41_flash')):.0f} B/token "
-          f"for v41_flash); whole demo {time.perf_counter() - t0:.0f}s")
+          f"for v41_flash)")
+
+    td = time.perf_counter()
+    params = adapt(cfg, state.params, corpus.train, DSparkTrainConfig(steps=args.dspark_steps), f"{args.out}/dspark",
+                   log=lambda _: None)
+    with open(f"{args.out}/dspark/metrics.jsonl") as f:
+        last = [json.loads(line) for line in f][-1]
+    print(f"# DSpark: drafter adapted on the frozen backbone for {args.dspark_steps} steps in "
+          f"{time.perf_counter() - td:.0f}s (loss {last['loss']:.3f}, teacher-forced accepted length "
+          f"{last['accept_len']:.2f} of {cfg.dspark_block_size}, ECE {last['ece']:.3f}; plot {args.out}/dspark/dspark.png)")
+    spec = speculative_vs_plain(cfg, params, prompts, args.max_new_tokens, compiled)
+    print(f"# greedy, {len(prompts)} prompts in one batch: {spec['tokens']} tokens in {spec['steps']} speculative steps, "
+          f"identical to plain generate; acceptance per draft position "
+          + ", ".join(f"{a:.2f}" for a in spec["position_acceptance"]) + f"; whole demo {time.perf_counter() - t0:.0f}s")
     print(f"val_bpb: {val_bpb:.4f}")
     print(f"tokens_per_s: {tokens_per_s:.2f}")
     print(f"kv_bytes_per_token: {kv:.1f}")
+    print(f"spec_tokens_per_s: {spec['spec_tokens_per_s']:.2f}")
+    print(f"plain_tokens_per_s: {spec['plain_tokens_per_s']:.2f}")
+    print(f"mean_accept: {spec['mean_accept']:.3f}")
     return 0
 
 

@@ -32,23 +32,30 @@ def evaluate(cfg: ModelConfig, params: dict, tokens: np.ndarray, *, qat: bool, b
     return nats / max(count, 1.0) / math.log(2)
 
 
-def _progress(step: int, total: int, metrics: dict, tokens_per_s: float, eta: float) -> None:
+def progress(step: int, total: int, fields: str, eta: float) -> None:
+    """A one-line progress bar on stderr: step of total, the caller's `fields`, the time left."""
     width = 24
     filled = int(width * step / total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{total} loss {metrics['loss']:.3f} "
-                     f"bpb {metrics['bpb']:.3f} kl {metrics['index_kl']:.4f} {tokens_per_s:,.0f} tok/s "
-                     f"ETA {eta:,.0f}s ")
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{total} {fields} ETA {eta:,.0f}s ")
     sys.stderr.flush()
+
+
+def pyplot():
+    """`matplotlib.pyplot` on the Agg backend, or None without the `plot` extra (`pip install -e '.[plot]'`)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 def plot_losses(records: list[dict], path: pathlib.Path) -> bool:
     """Loss and indexer-KL curves as a PNG; False (nothing written) without the `plot` extra (matplotlib)."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -98,7 +105,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, train_tokens: np.ndarray, out: str 
         records.append(record)
         log(json.dumps(record))
         eta = (now - compiled) / done * (last - step - 1) if done else float("nan")
-        _progress(step + 1, last, metrics, rate, eta)
+        progress(step + 1, last, f"loss {metrics['loss']:.3f} bpb {metrics['bpb']:.3f} kl {metrics['index_kl']:.4f} "
+                 f"{rate:,.0f} tok/s", eta)
         if save_every and (step + 1) % save_every == 0 and step + 1 < last:
             _save(out, cfg, tc, state)
     sys.stderr.write("\n")

@@ -65,9 +65,13 @@ class TrainState:
 
 
 def _labels(params: nnx.State) -> nnx.State:
-    """"adamw" for every `nnx.Param`; "frozen" for every other variable type (the MoE `RouterBias`)."""
-    return jax.tree.map(lambda v: "adamw" if isinstance(v, nnx.Param) else "frozen", params,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    """"adamw" for every backbone `nnx.Param`; "frozen" for every other variable type (the MoE `RouterBias`)
+    and for the DSpark drafter's subtree, which `train.dspark` adapts on the trained backbone."""
+    def label(path, v):
+        drafter = bool(path) and getattr(path[0], "key", None) == model.DRAFTER
+        return "adamw" if isinstance(v, nnx.Param) and not drafter else "frozen"
+
+    return jax.tree_util.tree_map_with_path(label, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def optimizer(tc: TrainConfig) -> optax.GradientTransformation:

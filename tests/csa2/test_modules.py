@@ -24,14 +24,15 @@ def _variables(params):
 
 def test_init_params_returns_the_model_state(mini_params):
     assert isinstance(mini_params, nnx.State)
-    assert set(mini_params.keys()) == {"embed", "groups", "norm", "head"}
+    assert set(mini_params.keys()) == {"embed", "groups", "norm", "head", model.DRAFTER}
     kinds = {}
     for path, v in _variables(mini_params):
         kinds[path] = type(v)
         router_bias = path[-2:] in (("moe", "bias"), ("moe", "bias_vl"))
         assert isinstance(v, RouterBias) == router_bias, path
         assert isinstance(v, nnx.Param) != router_bias, path
-    assert sum(t is RouterBias for t in kinds.values()) == 2 * len([r for g in layer_groups(MINI) for r in g.runs])
+    runs = len([r for g in layer_groups(MINI) for r in g.runs])
+    assert sum(t is RouterBias for t in kinds.values()) == 2 * (runs + MINI.num_nextn_predict_layers)
 
 
 def test_every_parameter_names_its_logical_axes(tiny_params):

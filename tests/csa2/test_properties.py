@@ -1,6 +1,6 @@
 """State transitions as properties over random inputs (hypothesis, DESIGN §8): chunk invariance of exact prefill
 and of bounded replay (SPEC §11) under any chunking with rows out of step, and commit ≡ prefill of the accepted
-rows for any per-row accept lengths.
+rows for any per-row accept lengths, the DSpark context windows included (compared through the drafts they give).
 
 Shapes stay fixed (chunks are padded to S columns, rows differ by `n_valid`), so each property compiles its
 entry points once and the examples only change values.
@@ -31,6 +31,13 @@ def _continue(params, state, steps):
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         out.append(logits)
     return jnp.stack(out, 1)
+
+
+def _drafts(params, state):
+    """The DSpark proposal after anchor 7 from `state` (SPEC §12): its logits [B, γ, V] and confidences [B, γ]
+    read every committed entry of the drafter's context windows."""
+    prop = model.draft(MINI, params, state, jnp.full((B,), 7, jnp.int32), jax.random.PRNGKey(0))
+    return np.asarray(prop.logits), np.asarray(prop.confidence)
 
 
 def _committed_entries(state):
@@ -82,6 +89,8 @@ def _assert_same_prefill(params, a, b, logits_a, logits_b):
     for x, y in zip(_committed_entries(a), _committed_entries(b)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(logits_a, logits_b, rtol=1e-4, atol=1e-4)
+    for x, y in zip(_drafts(params, a), _drafts(params, b)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(_continue(params, keep(a), 3), _continue(params, keep(b), 3), rtol=1e-4, atol=1e-4)
 
 
@@ -94,6 +103,8 @@ def _assert_same_up_to_requantization(params, a, b, logits_a, logits_b):
     for x, y in zip(_committed_entries(a), _committed_entries(b)):
         assert np.mean(np.abs(x - y) > 1e-5) <= 2e-3
     np.testing.assert_allclose(logits_a, logits_b, rtol=0, atol=1e-2)
+    for x, y in zip(_drafts(params, a), _drafts(params, b)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-2)
     np.testing.assert_allclose(_continue(params, keep(a), 3), _continue(params, keep(b), 3), rtol=0, atol=1e-2)
 
 
@@ -142,8 +153,8 @@ def test_replayed_prefill_is_chunk_invariant(mini_params, chunks, policy, seed):
        prompt_lens=st.lists(st.integers(9, N), min_size=B, max_size=B), seed=st.integers(0, 2**16))
 def test_commit_equals_prefill_of_accepted_rows(mini_params, accept, prompt_lens, seed):
     """commit(verify(state, [R, d1..dγ]), n+1) per row ≡ an exact prefill of R, d1..dn on the same state: the same
-    length, committed Global KV and continuation, whatever the per-row accept lengths and prompt lengths (both
-    parities of L, so ratio-2 pairs straddle the accept boundary)."""
+    length, committed Global KV, drafts and continuation, whatever the per-row accept lengths and prompt lengths
+    (both parities of L, so ratio-2 pairs straddle the accept boundary)."""
     key1, key2 = jax.random.split(jax.random.PRNGKey(seed))
     prompt = jax.random.randint(key1, (B, N), 0, 256, jnp.int32)
     block = jax.random.randint(key2, (B, GAMMA + 1), 0, 256, jnp.int32)
@@ -160,5 +171,7 @@ def test_commit_equals_prefill_of_accepted_rows(mini_params, accept, prompt_lens
     np.testing.assert_array_equal(committed.length, reference.length)
     for a, b in zip(_committed_entries(committed), _committed_entries(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_drafts(mini_params, committed), _drafts(mini_params, reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(_continue(mini_params, committed, 3), _continue(mini_params, reference, 3),
                                rtol=1e-4, atol=1e-4)

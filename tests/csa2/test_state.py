@@ -21,13 +21,15 @@ E4M3 = E8M0 = jnp.uint8  # packed buffers hold the bytes of e4m3 / ue8m0 values
 
 # Hand-written geometry of each preset (not read from the code under test):
 # layers, head_dim, index_head_dim, sliding_window, max_draft, engram history slots (n-1 + max_draft + 1),
-# KV-source ratios in kv_source_layer_ids order, the Global KV stacks as (ratio, sources), engram pad id.
+# KV-source ratios in kv_source_layer_ids order, the Global KV stacks as (ratio, sources), engram pad id,
+# DSpark draft stages.
 GEOMETRY = {
     "v41_flash": dict(L=40, D=512, DI=128, W=128, draft=5, hist=3 + 5 + 1, ratios=(2, 2, 2, 1),
-                      stacks=((2, 3), (1, 1)), pad=2),
+                      stacks=((2, 3), (1, 1)), pad=2, stages=3),
     "tiny": dict(L=40, D=32, DI=32, W=16, draft=5, hist=2 + 5 + 1, ratios=(2, 2, 2, 1), stacks=((2, 3), (1, 1)),
-                 pad=258),
-    "mini": dict(L=8, D=32, DI=32, W=16, draft=5, hist=2 + 5 + 1, ratios=(2, 1), stacks=((2, 1), (1, 1)), pad=258),
+                 pad=258, stages=1),
+    "mini": dict(L=8, D=32, DI=32, W=16, draft=5, hist=2 + 5 + 1, ratios=(2, 1), stacks=((2, 1), (1, 1)), pad=258,
+                 stages=1),
 }
 
 
@@ -61,6 +63,9 @@ def expected_state(name, B, C, fmt):
         tails=tuple(tails),
         tokens=sds((B, g["hist"]), I32),
         accept=AcceptBuffer(tokens=sds((B, g["draft"] + 1), I32), count=sds((B,), I32), width=sds((B,), I32)),
+        # one context window per draft stage, one slot more than a backbone ring (it ends at length − 1)
+        draft=Stored(sds((B, g["stages"], slots + 1, D), E4M3 if packed else F32),
+                     sds((B, g["stages"], slots + 1, D // 32), E8M0) if packed else None, WINDOW),
     )
 
 
@@ -293,8 +298,9 @@ def test_every_leaf_is_batch_first(name, B, C, make, fmt):
     state = make(preset(name), B, C, fmt)
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     # length, floor; 2 stacks × (kv, ikey) payloads [+ scales]; swa [+ scale]; 2 tails × (kv, gate); tokens;
-    # accept (tokens, count, width)
-    assert len(leaves) == 2 + 2 * 2 * (2 if fmt == "fp4" else 1) + (2 if fmt == "fp4" else 1) + 2 * 2 + 1 + 3
+    # accept (tokens, count, width); draft [+ scale]
+    stored = 2 if fmt == "fp4" else 1
+    assert len(leaves) == 2 + 2 * 2 * stored + stored + 2 * 2 + 1 + 3 + stored
     for path, leaf in leaves:
         assert leaf.ndim >= 1 and leaf.shape[0] == B, (jax.tree_util.keystr(path), leaf.shape)
 

@@ -19,10 +19,11 @@ import pytest
 
 from csa2 import checkpoint, model
 from csa2.config import PAD_ID, preset
+from csa2.sampling import nucleus
 from csa2.state import init_state
 from csa2.tokenizer import decode, encode
 from infer import __main__ as cli
-from infer.generate import Sampling, generate, generate_loop, nucleus
+from infer.generate import Sampling, generate, generate_loop
 
 MINI = preset("mini")
 NEW = 10

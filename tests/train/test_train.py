@@ -61,9 +61,10 @@ def test_indexer_kl_falls_during_training(straight, corpus):
     one batch pull the indexer toward it (its gradient reaches only the indexer, SPEC §13)."""
     state = init_train_state(CFG, TC)
     flat = list(nnx.to_flat_state(state.params))
-    scaled = [(path, v.replace(v.get_value() * 20.0) if path[-2:] == ("attn", "wq_b") else v) for path, v in flat]
+    queries = lambda path: path[0] == "groups" and path[-2:] == ("attn", "wq_b")  # noqa: E731 (not the drafter's)
+    scaled = [(path, v.replace(v.get_value() * 20.0) if queries(path) else v) for path, v in flat]
     runs = sum(len(group.runs) for group in layer_groups(CFG))  # each run stacks its layers' wq_b
-    assert sum(path[-2:] == ("attn", "wq_b") for path, _ in flat) == runs  # every layer's queries
+    assert sum(queries(path) for path, _ in flat) == runs  # every layer's queries
     state = state.replace(params=nnx.from_flat_state(scaled))
     tokens = jnp.asarray(corpus.valid[:2 * 33].reshape(2, 33))
     kls = []
@@ -81,23 +82,27 @@ def _kinds(params):
     return {path: type(v) for path, v in nnx.to_flat_state(params)}
 
 
-def test_optimizer_labels_exactly_the_router_biases_frozen():
+def test_optimizer_labels_exactly_the_router_biases_and_the_drafter_frozen():
+    """AdamW trains the backbone's `nnx.Param`s; the router biases (by type) and the DSpark drafter's subtree
+    (adapted by `train.dspark` on the trained backbone) are frozen."""
     params = model.abstract_params(CFG)
     flat_labels = jax.tree_util.tree_flatten_with_path(_labels(params))[0]
     labels = {tuple(k.key for k in path): label for path, label in flat_labels}
     kinds = _kinds(params)
     assert labels.keys() == kinds.keys()
+    drafter = {path for path in kinds if path[0] == model.DRAFTER}
+    assert drafter
     frozen = {path for path, label in labels.items() if label == "frozen"}
-    assert frozen == {path for path, kind in kinds.items() if kind is RouterBias}
+    assert frozen == {path for path, kind in kinds.items() if kind is RouterBias} | drafter
     assert {path for path, label in labels.items() if label == "adamw"} == {
-        path for path, kind in kinds.items() if kind is nnx.Param}
+        path for path, kind in kinds.items() if kind is nnx.Param} - drafter
     assert set(labels.values()) == {"adamw", "frozen"} and set(kinds.values()) == {nnx.Param, RouterBias}
-    assert {path[-2:] for path in frozen} == {("moe", "bias"), ("moe", "bias_vl")}
+    assert {path[-2:] for path in frozen - drafter} == {("moe", "bias"), ("moe", "bias_vl")}
 
 
 def test_train_step_moves_params_and_router_biases_only_by_the_bias_rule(corpus):
-    """With lr > 0 every `nnx.Param` moves; every `RouterBias` moves by −rate, 0 or +rate per element
-    (the aux-loss-free rule alone: no AdamW update, no weight decay)."""
+    """With lr > 0 every backbone `nnx.Param` moves and the drafter's stay put; every `RouterBias` moves by −rate,
+    0 or +rate per element (the aux-loss-free rule alone: no AdamW update, no weight decay)."""
     state = init_train_state(CFG, TC)
     tokens = jnp.asarray(corpus.train[:2 * 33].reshape(2, 33))
     # step 0: the warm-up lr is 0, so only the router biases move
@@ -112,7 +117,9 @@ def test_train_step_moves_params_and_router_biases_only_by_the_bias_rule(corpus)
     rate, moved_biases = TC.bias_rate, 0
     for path, kind in kinds.items():
         delta = after[path].astype(np.float64) - before[path]
-        if kind is RouterBias:
+        if path[0] == model.DRAFTER:
+            assert np.all(delta == 0), f"{path}: the backbone trainer moved the drafter"
+        elif kind is RouterBias:
             on_rule = [np.isclose(delta, v, rtol=0, atol=1e-3 * rate) for v in (-rate, 0.0, rate)]
             assert np.all(on_rule[0] | on_rule[1] | on_rule[2]), (path, delta)
             moved_biases += int(np.sum(~on_rule[1]))

@@ -1,0 +1,195 @@
+"""`python -m infer.bench_spec`: DSpark speculative vs plain decoding, side by side in one run (SPEC §12).
+
+    python -m infer.bench_spec --checkpoint runs/demo [--drafter runs/demo/dspark] [--batches 1 8]
+                               [--max-new-tokens 64] [--prompt-len 64] [--sps runs/demo/sps.json]
+    python -m infer.bench_spec --checkpoint runs/demo --measure-sps [--sps runs/demo/sps.json]
+
+Prompts are the first `--prompt-len` bytes of the corpus's validation documents (`pydoc_data.topics`,
+every tenth document, as `train.data` splits it), `--batches` of them at a time, greedy.
+
+- `--measure-sps` fills the `SpsTable` the confidence schedule reads: for each batch size and each
+  verify width w of `--sps-widths` (each one a branch the scheduled loop compiles), the steady rate of
+  one speculative step (draft, verify at width w, commit) on a prefilled state, in steps per second,
+  saved as JSON (`--sps`).
+- Otherwise, per batch size: plain greedy `generate`, speculative decoding with fixed γ, and (when
+  the table exists) scheduled verify lengths, each timed warm (its second call: the first compiles),
+  interleaved `--reps` times; new tokens per second, the ratio to plain, mean accepted drafts per
+  step and the acceptance per draft position. Every method must emit the same tokens (greedy), which
+  is checked. One JSON line per measurement, a table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2 import checkpoint, model
+from csa2.config import ModelConfig
+from csa2.tokenizer import encode
+from csa2.state import init_state, token_granule
+from infer import generate
+from infer.bench_model import machine_info
+from infer.schedule import SpsTable, config_fingerprint
+from infer.speculative import speculative_generate
+from infer.values import round_up
+
+VALID_EVERY = 10  # train.data's validation split: documents 0, 10, 20, … of the sorted distinct topics
+
+
+def validation_prompts(n: int, length: int) -> list[np.ndarray]:
+    """The first `length` tokens (BOS + bytes) of `n` validation documents of the embedded corpus."""
+    from pydoc_data.topics import topics
+
+    documents = list(dict.fromkeys(topics[key] for key in sorted(topics)))[::VALID_EVERY]
+    if n > len(documents):
+        raise ValueError(f"batch={n}: the corpus has {len(documents)} validation documents; use a smaller batch")
+    return [encode(text)[:length] for text in documents[:n]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps per second of one speculative step
+
+def step_rate(cfg: ModelConfig, params, batch: int, width: int, context: int, steps: int) -> float:
+    """Steady steps/s of draft → verify at `width` → commit one row, `steps` steps in one jitted loop on a state
+    prefilled with `context` random tokens per row (compile and prefill excluded)."""
+    granule = token_granule(cfg)
+    capacity = round_up(context + steps + width + 1, granule)
+    prompt = jax.random.randint(jax.random.PRNGKey(0), (batch, context), 0, 256, jnp.int32)
+    ones = jnp.ones((batch,), jnp.int32)
+
+    @jax.jit
+    def loop(state, anchor):
+        def body(_, carry):
+            state, anchor = carry
+            prop = model.draft(cfg, params, state, anchor, jax.random.PRNGKey(0))
+            block = jnp.concatenate([anchor[:, None], prop.tokens], axis=1)[:, :width]
+            logits, state = model.verify(cfg, params, state, block)
+            bonus = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+            return model.commit(state, ones, bonus), bonus
+        return jax.lax.fori_loop(0, steps, body, (state, anchor))
+
+    def fresh():
+        logits, state, _ = model.prefill(cfg, params, init_state(cfg, batch, capacity), prompt)
+        return state, jnp.argmax(logits, -1).astype(jnp.int32)
+
+    jax.block_until_ready(loop(*fresh()))  # compile
+    state, anchor = jax.block_until_ready(fresh())
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(state, anchor))
+    return steps / (time.perf_counter() - t0)
+
+
+def measure_sps(cfg: ModelConfig, params, batches: list[int], widths: tuple[int, ...], context: int, steps: int,
+                log) -> SpsTable:
+    """An `SpsTable` over `widths` for each batch size, measured on this machine."""
+    rates = {}
+    for b in batches:
+        rates[b] = tuple(round(step_rate(cfg, params, b, w, context, steps), 3) for w in widths)
+        log({"measure": "sps", "batch": b, "widths": list(widths), "steps_per_s": list(rates[b])})
+    meta = {"config": config_fingerprint(cfg), "context": context, "steps": steps, **machine_info(),
+            "date": time.strftime("%Y-%m-%d")}
+    return SpsTable(widths=widths, steps_per_s=rates, meta=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative vs plain
+
+def compare(cfg: ModelConfig, params, batch: int, prompt_len: int, new_tokens: int, reps: int,
+            sps: SpsTable | None, log) -> list[dict]:
+    """Plain, fixed-γ and (with `sps`) scheduled decoding of the same prompts, timed warm and interleaved."""
+    prompts = validation_prompts(batch, prompt_len)
+    methods = {"plain": lambda: generate.generate(cfg, params, prompts, max_new_tokens=new_tokens, eos_id=None),
+               f"spec_fixed_gamma{cfg.dspark_block_size}":
+                   lambda: speculative_generate(cfg, params, prompts, max_new_tokens=new_tokens, eos_id=None)}
+    if sps is not None:
+        methods["spec_scheduled"] = lambda: speculative_generate(cfg, params, prompts, max_new_tokens=new_tokens,
+                                                                 eos_id=None, sps=sps)
+    results = {name: run() for name, run in methods.items()}  # compile
+    for name, res in results.items():
+        if not np.array_equal(res.tokens, results["plain"].tokens):
+            raise AssertionError(f"{name}: greedy output differs from plain generate (batch {batch})")
+    times = {name: [] for name in methods}
+    for _ in range(reps):
+        for name, run in methods.items():
+            t0 = time.perf_counter()
+            res = run()
+            jax.block_until_ready(res.state.length)
+            times[name].append(time.perf_counter() - t0)
+    rows, plain_tps = [], None
+    for name, res in results.items():
+        wall = statistics.median(times[name])
+        tps = float(res.lengths.sum()) / wall
+        plain_tps = tps if name == "plain" else plain_tps
+        row = {"measure": "decode", "method": name, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+               "wall_s": round(wall, 4), "tokens_per_s": round(tps, 2), "speedup": round(tps / plain_tps, 3)}
+        if name != "plain":
+            row.update(steps=res.steps, mean_accept=round(res.mean_accept, 3),
+                       position_acceptance=[round(float(a / t), 3) if t else None
+                                            for a, t in zip(res.position_accepts, res.position_tries)],
+                       widths_used=res.widths.tolist())
+        log(row)
+        rows.append(row)
+    return rows
+
+
+def load(checkpoint_dir: str, drafter_dir: str | None) -> tuple[ModelConfig, object]:
+    """The backbone of `checkpoint_dir` with the adapted drafter of `drafter_dir` (default: `<checkpoint>/dspark`)."""
+    cfg, params = checkpoint.restore_params(checkpoint_dir)
+    drafter_dir = drafter_dir or os.path.join(checkpoint_dir, "dspark")
+    return cfg, checkpoint.with_drafter(params, checkpoint.restore_drafter(drafter_dir, cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infer.bench_spec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="backbone checkpoint directory (python -m train)")
+    ap.add_argument("--drafter", help="adapted drafter directory (python -m train.dspark); default CHECKPOINT/dspark")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sps", help="SpsTable JSON: read for scheduled lengths, written by --measure-sps "
+                                  "(default CHECKPOINT/sps.json)")
+    ap.add_argument("--measure-sps", action="store_true", help="measure the steps/s table and save it to --sps")
+    ap.add_argument("--sps-widths", type=int, nargs="+", default=[2, 4, 6])
+    ap.add_argument("--sps-context", type=int, default=128)
+    ap.add_argument("--sps-steps", type=int, default=32)
+    args = ap.parse_args(argv)
+    try:
+        cfg, params = load(args.checkpoint, args.drafter)
+        path = args.sps or os.path.join(args.checkpoint, "sps.json")
+
+        def log(row: dict) -> None:
+            print(json.dumps(row), flush=True)
+
+        if args.measure_sps:
+            measure_sps(cfg, params, args.batches, tuple(args.sps_widths), args.sps_context, args.sps_steps,
+                        log).save(path)
+            print(f"# saved {path}")
+            return 0
+        sps = SpsTable.load(path) if os.path.exists(path) else None
+        if sps is None:
+            print(f"# no steps/s table at {path}: scheduled lengths skipped (measure one with --measure-sps)")
+        rows = [r for b in args.batches for r in compare(cfg, params, b, args.prompt_len, args.max_new_tokens,
+                                                         args.reps, sps, log)]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"\n| batch | method | tokens/s | vs plain | mean accepted | acceptance per position |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']} | {r['speedup']}× | {r.get('mean_accept', '')} "
+              f"| {r.get('position_acceptance', '')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""DSpark adaptation (train.dspark, SPEC §12): the backbone stays bit-identical, the loss is the SPEC formula
+(weights, masking, α as a stop-gradient target), it falls on a repeating sequence, drafter checkpoints round
+trip and refuse other configs, bad input is refused by name."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from csa2 import checkpoint, model
+from csa2.config import preset
+from csa2.moe import RouterBias
+from train import dspark
+from train.data import load_corpus
+from train.dspark import DSparkTrainConfig
+
+CFG = preset("mini")
+# One static config for every step below: the step compiles once for the whole module.
+DC = DSparkTrainConfig(steps=8, batch_size=2, seq_len=32, anchors=2, lr=1e-2, warmup=0)
+
+
+def _values(tree) -> list[np.ndarray]:
+    return [np.array(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _flat(params) -> dict:
+    return {path: v for path, v in nnx.to_flat_state(params)}
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory, mini_params):
+    """Three adaptation steps on the corpus, from the mini model's initial drafter; the backbone as it was before."""
+    before = {path: np.array(v.get_value()) for path, v in nnx.to_flat_state(mini_params)}
+    out = tmp_path_factory.mktemp("dspark")
+    params = dspark.adapt(CFG, mini_params, load_corpus().train, DC, out, log=lambda _: None,
+                          drafter=mini_params[model.DRAFTER], until=3)
+    return out, params, before
+
+
+def test_backbone_is_frozen_and_drafter_learns(adapted, mini_params):
+    out, params, before = adapted
+    after, given = _flat(params), _flat(mini_params)
+    assert after.keys() == before.keys()
+    changed = []
+    for path, value in before.items():
+        assert np.array_equal(np.asarray(given[path].get_value()), value), path  # the caller's params untouched
+        now = np.asarray(after[path].get_value())
+        if path[0] != model.DRAFTER:
+            assert np.array_equal(now, value), path  # every backbone leaf bit-identical
+        elif isinstance(after[path], RouterBias):
+            assert np.array_equal(now, value), path  # frozen by type
+        elif not np.array_equal(now, value):
+            changed.append(path)
+    assert changed, "no drafter parameter moved"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    gamma = CFG.dspark_block_size
+    for r in records:
+        assert np.isfinite(r["loss"]) and len(r["accept"]) == len(r["greedy"]) == gamma
+        assert 0.0 <= r["accept_len"] <= gamma and 0.0 <= r["ece"] <= 1.0
+        assert r["loss"] == pytest.approx(0.1 * r["ce"] + 0.9 * r["l1"] + r["bce"], rel=1e-5)
+    assert (out / "dspark.png").exists()
+
+
+def _hand_loss(draft, conf, target, tokens, anchors, alpha=None):
+    """The SPEC §12 formula from an explicit list of the valid slots (jnp, so it can be differentiated);
+    `alpha` given: a constant."""
+    b_n, a_n, gamma, _ = draft.shape
+    s = tokens.shape[1]
+    slots = [(b, i, k, int(anchors[b, i])) for b in range(b_n) for i in range(a_n) for k in range(gamma)
+             if int(anchors[b, i]) + 1 + k < s]  # slots past the end of the window have no target
+    bi, ii, kk, aa = (np.array(x) for x in zip(*slots))
+    p_t = jax.nn.softmax(target[bi, aa + kk])  # the target's prediction of position a + 1 + k
+    p_d = jax.nn.softmax(draft[bi, ii, kk])
+    ce = -jnp.log(p_d[np.arange(len(slots)), np.asarray(tokens)[bi, aa + kk + 1]])
+    l1 = jnp.sum(jnp.abs(p_d - p_t), axis=-1)
+    al = 1.0 - 0.5 * l1 if alpha is None else alpha[bi, ii, kk]
+    c = conf[bi, ii, kk]
+    bce = -(al * jnp.log(c) + (1.0 - al) * jnp.log(1.0 - c))
+    w = np.exp(-kk / 4.0)
+    return jnp.sum(w * (0.1 * ce + 0.9 * l1 + bce)) / np.sum(w)
+
+
+def test_loss_is_the_spec_formula():
+    """Fixed anchors, one block running past the end of the window: the objective equals the hand-written
+    formula, masked slots carry no loss or gradient, and α is a stop-gradient target (its live version,
+    a planted mutant, gives other gradients)."""
+    rng = np.random.default_rng(0)
+    b, a_n, gamma, v, s = 2, 2, 5, 7, 8
+    draft = jnp.asarray(rng.normal(size=(b, a_n, gamma, v)) * 2, jnp.float32)
+    conf = jnp.asarray(rng.uniform(0.05, 0.95, size=(b, a_n, gamma)), jnp.float32)
+    target = jnp.asarray(rng.normal(size=(b, s, v)) * 2, jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, v, size=(b, s)), jnp.int32)
+    anchors_np = np.array([[0, 5], [6, 2]], np.int32)  # a = 5: slots 0, 1 valid; a = 6: slot 0 only
+    anchors, tokens_np = jnp.asarray(anchors_np), np.asarray(tokens)
+    dc = DSparkTrainConfig()
+    objective = jax.jit(lambda dc, d, c: dspark.objective(dc, d, c, target, tokens, anchors), static_argnums=0)
+    hand_loss = jax.jit(lambda d, c: _hand_loss(d, c, target, tokens_np, anchors_np))
+
+    loss, metrics = objective(dc, draft, conf)
+    np.testing.assert_allclose(loss, hand_loss(draft, conf), rtol=1e-5)
+    unweighted = DSparkTrainConfig(position_decay=1e9)  # w_k ≈ 1: the weights matter
+    assert abs(float(objective(unweighted, draft, conf)[0]) - float(loss)) > 1e-3
+
+    # Masked slots: neither their values nor gradients matter.
+    masked = np.zeros((b, a_n, gamma), bool)
+    masked[0, 1, 2:] = masked[1, 0, 1:] = True
+    noisy = jnp.where(masked[..., None], draft + 100.0, draft)
+    np.testing.assert_allclose(objective(dc, noisy, conf)[0], loss, rtol=1e-6)
+    g_draft, g_conf = jax.jit(jax.grad(lambda d, c: objective(dc, d, c)[0], argnums=(0, 1)))(draft, conf)
+    assert not np.any(np.asarray(g_draft)[masked]) and not np.any(np.asarray(g_conf)[masked])
+
+    # α as a constant target: the hand formula with α frozen has the objective's gradients; with α live it does not.
+    p_t = jax.nn.softmax(jnp.take_along_axis(target, jnp.clip(anchors[..., None] + jnp.arange(gamma), 0, s - 1)
+                                             .reshape(b, -1)[..., None], axis=1).reshape(b, a_n, gamma, v))
+    alpha = np.asarray(1.0 - 0.5 * jnp.sum(jnp.abs(jax.nn.softmax(draft) - p_t), -1))
+    frozen = jax.grad(lambda d, c: _hand_loss(d, c, target, tokens_np, anchors_np, alpha), argnums=(0, 1))
+    hand = jax.jit(frozen)(draft, conf)
+    live = jax.jit(jax.grad(lambda d: hand_loss(d, conf)))(draft)
+    np.testing.assert_allclose(g_draft, hand[0], atol=1e-6)
+    np.testing.assert_allclose(g_conf, hand[1], atol=1e-6)
+    assert np.max(np.abs(np.asarray(live) - np.asarray(g_draft))) > 1e-3
+
+    # Per-slot acceptance, accepted length (full blocks only), ECE.
+    valid = ~masked
+    np.testing.assert_allclose(metrics["accept"], [alpha[..., k][valid[..., k]].mean() for k in range(gamma)],
+                               rtol=1e-5)
+    full = valid[..., -1]
+    np.testing.assert_allclose(metrics["accept_len"], np.cumprod(alpha, -1).sum(-1)[full].mean(), rtol=1e-5)
+    c, al = np.asarray(conf)[valid], alpha[valid]
+    bins = np.minimum((c * 10).astype(int), 9)
+    ece = sum(abs(c[bins == i].sum() - al[bins == i].sum()) for i in range(10)) / c.size
+    np.testing.assert_allclose(metrics["ece"], ece, rtol=1e-5)
+
+
+def test_loss_falls_on_a_repeating_sequence(mini_params):
+    pattern = np.frombuffer(b"abcdefg ", np.uint8).astype(np.int32)
+    tokens = jnp.asarray(np.tile(pattern, (DC.batch_size, DC.seq_len // pattern.size + 1))[:, :DC.seq_len])
+    state = dspark.init_state(CFG, DC, mini_params[model.DRAFTER])
+    losses = []
+    for _ in range(DC.steps):
+        state, metrics = dspark.dspark_step(CFG, DC, state, mini_params, tokens)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_resume_is_bit_identical(adapted, mini_params, tmp_path):
+    """2 steps, stop, resume to 3 == 3 straight steps (drafter, checkpointed optimizer state)."""
+    straight_dir, straight, _ = adapted
+    corpus = load_corpus().train
+    dspark.adapt(CFG, mini_params, corpus, DC, tmp_path, log=lambda _: None, drafter=mini_params[model.DRAFTER],
+                 until=2)
+    resumed = dspark.adapt(CFG, mini_params, corpus, DC, tmp_path, log=lambda _: None, resume=True, until=3)
+    for a, b in zip(_values(straight), _values(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_drafter_checkpoint_round_trip(adapted, mini_params, tmp_path):
+    out, params, _ = adapted
+    assert checkpoint.latest_step(out) == 3
+    drafter = checkpoint.restore_drafter(out, CFG)
+    want = params[model.DRAFTER]
+    assert jax.tree_util.tree_structure(drafter) == jax.tree_util.tree_structure(want)
+    for a, b in zip(_values(drafter), _values(want)):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    merged = checkpoint.with_drafter(mini_params, drafter)
+    assert jax.tree_util.tree_structure(merged) == jax.tree_util.tree_structure(mini_params)  # no retrace
+    for a, b in zip(_values(merged), _values(params)):
+        np.testing.assert_array_equal(a, b)
+
+    with pytest.raises(ValueError, match="sliding_window"):
+        checkpoint.restore_drafter(out, CFG.replace(sliding_window=8))
+    with pytest.raises(ValueError, match="dspark_markov_rank"):
+        checkpoint.restore_drafter(out, CFG.replace(dspark_markov_rank=8))
+    with pytest.raises(ValueError, match="sliding_window"):  # a run holds one config
+        checkpoint.save_drafter(out, 4, drafter, CFG.replace(sliding_window=8))
+    with pytest.raises(ValueError, match="markov_embed"):  # the parameters must be the config's drafter
+        checkpoint.save_drafter(tmp_path / "other", 1, drafter, CFG.replace(dspark_markov_rank=8))
+    full = tmp_path / "backbone"
+    checkpoint.save(full, 1, params=mini_params, opt_state={"count": jnp.zeros((), jnp.int32)}, data_step=0,
+                    rng=jax.random.PRNGKey(0), cfg=CFG)
+    with pytest.raises(ValueError, match="full-model parameters"):
+        checkpoint.restore_drafter(full, CFG)
+    with pytest.raises(ValueError, match="full-model parameters"):  # refused before any step runs
+        dspark.adapt(CFG, mini_params, load_corpus().train, DC, full, log=lambda _: None)
+
+
+def test_bad_inputs_are_refused(mini_params, tmp_path, capsys):
+    for field, value in (("anchors", 0), ("steps", 0), ("batch_size", -1), ("seq_len", 1), ("lr", 0.0),
+                         ("log_every", 0), ("warmup", -1)):
+        with pytest.raises(ValueError, match=f"DSparkTrainConfig.{field}={value}"):
+            DSparkTrainConfig(**{field: value})
+    no_drafter = CFG.replace(num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
+        dspark.adapt(no_drafter, mini_params, load_corpus().train, DC, tmp_path / "x", log=lambda _: None)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
+        checkpoint.restore_drafter(tmp_path, no_drafter)
+    with pytest.raises(ValueError, match="DSparkTrainConfig"):
+        dspark.adapt(CFG, mini_params, load_corpus().train, {"steps": 3}, tmp_path / "x", log=lambda _: None)
+    with pytest.raises(ValueError, match="does not exist"):
+        checkpoint.restore_drafter(tmp_path / "missing", CFG)
+
+    missing = tmp_path / "no_backbone"
+    assert dspark.main(["--backbone", str(missing), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--backbone" in err and str(missing) in err and "python -m train" in err
+    assert dspark.main(["--backbone", str(tmp_path), "--anchors", "0"]) == 2
+    assert "anchors=0" in capsys.readouterr().err
+
+    flat = [(path, nnx.Param(jnp.zeros((3, 3))) if path == ("markov_embed",) else v)
+            for path, v in nnx.to_flat_state(mini_params[model.DRAFTER])]
+    with pytest.raises(ValueError, match="markov_embed"):
+        checkpoint.with_drafter(mini_params, nnx.from_flat_state(flat))
