@@ -35,8 +35,9 @@ from csa2.state import State, init_state, token_granule
 
 Array = jax.Array
 
-__all__ = ["Model", "init_params", "as_module", "abstract_params", "prefill", "decode_step", "verify", "commit", "fork",
-           "draft", "forward", "update_router_bias", "ReplayPolicy", "EXACT", "Extend", "init_state", "DRAFTER"]
+__all__ = ["Model", "init_params", "as_module", "abstract_params", "prefill", "decode_step", "verify", "commit",
+           "emitted", "fork", "draft", "forward", "update_router_bias", "ReplayPolicy", "EXACT", "Extend", "init_state",
+           "DRAFTER"]
 
 DRAFTER = dspark.DRAFTER  # the subtree of the DSpark drafter's parameters (`csa2.dspark.Drafter`)
 
@@ -171,6 +172,15 @@ def verify(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array) -> 
     return head_logits(cfg, p, out.X, out.pre), new.replace(length=state.length, accept=accept)
 
 
+def emitted(block: Array, accept_lens: Array, bonus: Array) -> Array:
+    """The tokens a commit of `accept_lens [B]` = n + 1 rows of the verify block `block [B, w]` = [R, d1 … ]
+    emits (SPEC §12): (d1 … dn, C) with C = `bonus [B]`, then zeros, [B, w]."""
+    slot = jnp.arange(block.shape[1])[None, :]
+    drafts = jnp.roll(block, -1, axis=1)  # slot i holds d_{i+1}
+    n = accept_lens[:, None] - 1
+    return jnp.where(slot < n, drafts, jnp.where(slot == n, bonus[:, None], 0))
+
+
 def commit(state: State, accept_lens: Array, bonus: Array) -> State:
     """Commit `accept_lens [B]` = n + 1 verified rows (R, d1 … dn) per row and emit (d1 … dn, C), C = `bonus [B]`
     the target's token after dn (SPEC §12): `length` grows by n + 1 (nothing is copied) and the accept
@@ -184,11 +194,8 @@ def commit(state: State, accept_lens: Array, bonus: Array) -> State:
     if counts is not None and width is not None and ((counts < 0).any() or (counts > width).any()):
         raise ValueError(f"accept_lens={counts.tolist()}: each must lie in [0, width] with width={width.tolist()} "
                          "the rows of the verify this commit follows (R, d1 … dγ); verify again before committing")
-    slot = jnp.arange(state.accept.tokens.shape[1])[None, :]
-    drafts = jnp.roll(state.accept.tokens, -1, axis=1)  # slot i holds d_{i+1}
-    n = accept_lens[:, None] - 1
-    emitted = jnp.where(slot < n, drafts, jnp.where(slot == n, bonus[:, None], 0))
-    accept = state.accept.replace(tokens=emitted, count=accept_lens, width=jnp.zeros_like(accept_lens))
+    accept = state.accept.replace(tokens=emitted(state.accept.tokens, accept_lens, bonus), count=accept_lens,
+                                  width=jnp.zeros_like(accept_lens))
     return state.replace(length=state.length + accept_lens, accept=accept)
 
 

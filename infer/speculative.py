@@ -148,7 +148,7 @@ def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, ke
         n, bonus = accept(target, drafted, proposal.tokens, cap, k_accept)
 
         # Emitted (d1 … dn, C), cut at EOS and at the budget; commit exactly the kept tokens.
-        emitted = jnp.where(jnp.arange(gamma + 1)[None] < n[:, None], jnp.roll(block, -1, axis=1), bonus[:, None])
+        emitted = model.emitted(block, n + 1, bonus)
         j = jnp.arange(gamma + 1)[None]
         eos_at = jnp.min(jnp.where((emitted == eos_id) & (j <= n[:, None]), j, gamma + 1), axis=1)
         keep = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), max_new_tokens - count)
