@@ -161,9 +161,10 @@ def check_chunk(cfg: ModelConfig, state: State, tokens, n_valid) -> None:
                          f"(state.length={start.tolist()}); allocate a larger state")
 
 
-def check_extend(state: State, tokens, n_valid, extend) -> None:
+def check_extend(cfg: ModelConfig, state: State, tokens, n_valid, extend) -> None:
     """Each row's chunk `[length, length + n_valid)` lies inside its extend `[start, end)` (rows that
-    receive tokens, when the values are concrete)."""
+    receive tokens, when the values are concrete), and an encoder replay's hit is a prefix of the prompt
+    that the replay rebuilds whole windows of."""
     if extend is None:
         return
     if not isinstance(extend, Extend):
@@ -181,3 +182,23 @@ def check_extend(state: State, tokens, n_valid, extend) -> None:
         raise ValueError(f"extend=[{start.tolist()}, {end.tolist()}): the chunks [length, length + n_valid) = "
                          f"[{length.tolist()}, {(length + counts).tolist()}) of rows {np.flatnonzero(bad).tolist()} "
                          "lie outside it; pass the positions of the whole prompt, e.g. Extend.cold(prompt_lengths)")
+    if extend.hit is not None:
+        _check_hit(cfg, extend, b)
+
+
+def _check_hit(cfg: ModelConfig, extend: Extend, b: int) -> None:
+    _check_per_row("extend.hit", extend.hit, b, "one prefix length per row")
+    start, end, hit = concrete(extend.start), concrete(extend.end), concrete(extend.hit)
+    if any(x is None for x in (start, end, hit)):
+        return
+    outside = (hit < start) | (hit > end)
+    if outside.any():
+        raise ValueError(f"extend.hit={hit.tolist()}: rows {np.flatnonzero(outside).tolist()} have a cached prefix "
+                         f"outside their extend [{start.tolist()}, {end.tolist()}): the prefix must end inside the "
+                         "prompt (a prefix longer than the prompt cannot be resumed: look up a shorter one)")
+    short = (start < hit) & (hit - start < np.minimum(hit, cfg.sliding_window))
+    if short.any():
+        raise ValueError(f"extend.start={start.tolist()}, extend.hit={hit.tolist()}: rows "
+                         f"{np.flatnonzero(short).tolist()} replay fewer than min(hit, sliding_window="
+                         f"{cfg.sliding_window}) prefix tokens, so their encoder windows stay incomplete; plan the "
+                         "extend with Extend.replaying")

@@ -11,6 +11,10 @@ Streaming (DESIGN §2): a chunk at positions `start + j` completes the entries
 `[start // r, (start + n_valid) // r)`. Members before `start` are read from the tail ring
 (slot `pos % slots`), so every chunking — prefill, decode, verify — writes the same entries, and
 commit after verify is "set length". An incomplete group is never written to Global KV.
+
+Encoder replay (SPEC §11) re-runs the last tokens of a cached prefix with `written_from` = the hit:
+the entries completed before it are the cache's and are not rewritten; the tail ring is rebuilt, so
+an entry straddling the hit pools the replayed member with the new one.
 """
 
 from __future__ import annotations
@@ -45,14 +49,16 @@ class Compressor(nnx.Module):
 
 
 def compress(cfg: ModelConfig, params: dict, ratio: int, source: SourceKV, tail: CompressorTail,
-             x: Array, start: Array, n_valid: Array, *, quantize: bool) -> tuple[SourceKV, CompressorTail]:
+             x: Array, start: Array, n_valid: Array, *, quantize: bool,
+             written_from: Array | None = None) -> tuple[SourceKV, CompressorTail]:
     """Write the entries completed by a chunk into `source` and its pre-pool projections into `tail`.
 
     x [B, S, hidden_size]: the Full layer's attention input at positions `start[b] + j`;
     start [B] int32: committed length before the chunk; n_valid [B] int32 (≤ S): valid tokens per
     row, the rest is padding and changes nothing. `tail` is this source's tail ring, kv and gate
     `[B, slots, D]` (0 slots at ratio 1). Entries are stored in `source`'s storage (packed, or
-    float32 fake-quantized if `quantize`).
+    float32 fake-quantized if `quantize`). `written_from [B]` (None: 0): only the entries whose last
+    member lies at or after it are written.
     """
     x, start, n_valid = jnp.asarray(x), jnp.asarray(start), jnp.asarray(n_valid)
     _check_inputs(cfg, ratio, source, tail, x, start, n_valid)
@@ -70,6 +76,8 @@ def compress(cfg: ModelConfig, params: dict, ratio: int, source: SourceKV, tail:
         end = start + n_valid
         tail = CompressorTail(kv=cache.ring_scatter(tail.kv, positions, kv, valid, end),
                               gate=cache.ring_scatter(tail.gate, positions, gate, valid, end))
+    if written_from is not None:
+        complete = complete & (entry * ratio + ratio - 1 >= written_from[:, None])
     latent = rms_norm(latent, params["norm"], cfg.rms_norm_eps)
     return _write_entries(cfg, params, ratio, source, latent, entry, complete, quantize), tail
 

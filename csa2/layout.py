@@ -40,6 +40,11 @@ class LayerSpec:
     uses_candidates: bool
     is_candidate_source: bool
 
+    @property
+    def compresses(self) -> bool:
+        """Whether the layer writes Global KV: a Full layer compresses its own input first (SPEC §4)."""
+        return self.kv_source is not None and self.role == "full"
+
 
 def _latest(sources: tuple[int, ...], layer: int) -> int | None:
     return max((s for s in sources if s <= layer), default=None)

@@ -106,7 +106,7 @@ def _check_prefill(cfg, params, state, tokens, n_valid, replay, extend) -> None:
     boundary.check_config(cfg)
     boundary.check_replay(cfg, replay)
     boundary.check_chunk(cfg, state, tokens, n_valid)
-    boundary.check_extend(state, tokens, n_valid, extend)
+    boundary.check_extend(cfg, state, tokens, n_valid, extend)
 
 
 @entry_point(_check_prefill, static_argnames=("cfg", "replay"), donate_argnames=("state",))
@@ -114,7 +114,9 @@ def prefill(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array, n_
             replay: ReplayPolicy = ReplayPolicy(), extend: Extend | None = None) -> tuple[Array, State, dict]:
     """Process a prompt chunk `tokens [B, S]` (`n_valid [B]` real tokens per row, default S) of
     `extend` (`Extend(start, end)`: the positions of the prompt's new tokens when it arrives in
-    several chunks, e.g. `Extend.cold(N)`; None: this chunk is the whole prompt).
+    several chunks, e.g. `Extend.cold(N)`; None: this chunk is the whole prompt). A state that holds
+    a prefix is a prefix hit: its Global KV is read, never rewritten; `Extend.replaying` plans the
+    encoder replay of a hit whose rings are gone (SPEC §11, `infer.prefix_cache`).
 
     Returns the logits of each row's last real position that reached the head [B, V] (meaningful on
     the chunk holding the prompt's last token), the new state and `{"work": int32}`, the token×layer

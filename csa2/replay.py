@@ -26,10 +26,11 @@ import jax.numpy as jnp
 
 from csa2.chunk import Chunk
 from csa2.config import ModelConfig
+from csa2.layout import layer_plan
 
 Array = jax.Array
 
-SHORT_EXTEND = ("truncate",)
+SHORT_EXTEND = ("truncate", "borrow")
 
 
 def _is_int(x) -> bool:
@@ -44,8 +45,16 @@ class ReplayPolicy:
         (None = exact reference mode: every position through every layer);
     split_layer: the first layer that runs on the tail only (None = first decoder layer; SGLang
         uses first decoder layer + 1). Layers before it run on every position.
-    short_extend: what a prefill on a non-empty state (prefix hit) replays: "truncate" takes the
-        decoder tail from the extend's new tokens only (SGLang main), so a short extend has a short tail.
+    short_extend: the decoder window of an extend shorter than R that resumes a cached prefix with its
+        rings (a prefix hit with a snapshot). Both run the layers from the split on the extend's rows
+        only (`[max(start, end − R), end)`), so they cost the same. "truncate" (SGLang main) floors their
+        windows at the extend's first decoder row: a 4-token extend sees 4 local positions. "borrow"
+        floors them at `end − R` and reads the prefix's positions in between from the decoder rings the
+        prefix's own prefill wrote (the cached encoder outputs, already run through the decoder): the
+        window's extent is the one a cold prefill of the whole prompt has (where the prefix's tail covered
+        it), its borrowed entries are those the prefix computed under its own floor. The two agree whenever
+        the extend holds R tokens or more, and under encoder replay (the replayed rows make the extend
+        long enough).
     """
 
     window: int | None = 128
@@ -84,20 +93,56 @@ class ReplayPolicy:
 EXACT = ReplayPolicy(window=None)
 
 
+def token_layers(cfg: ModelConfig, policy: ReplayPolicy, n: int) -> int:
+    """Token×layer work of prefilling a cold prompt of `n` tokens (what `prefill`'s aux `work` counts):
+    `L·n` exact; `(split + 1)·n + (L − split − 1)·T` when the split layer compresses, else
+    `split·n + (L − split)·T`, T = min(R, n)."""
+    layers = cfg.num_hidden_layers
+    if policy.exact:
+        return layers * n
+    split, t = policy.split(cfg), min(policy.window, n)
+    every = split + layer_plan(cfg)[split].compresses  # a compressing split layer takes every row
+    return every * n + (layers - every) * t
+
+
 @chex.dataclass(frozen=True)
 class Extend:
-    """The extend a prefill chunk belongs to: per row, the new tokens' positions `[start, end)` (`[B]`
-    each), whatever chunks they arrive in. A cold prompt of N tokens is `Extend.cold(N)`; the suffix
-    after a prefix hit of P tokens is `[P, N)`. Each chunk lies inside its row's extend."""
+    """The extend a prefill chunk belongs to: per row, the positions `[start, end)` (`[B]` each) fed to the
+    model, whatever chunks they arrive in. A cold prompt of N tokens is `Extend.cold(N)`; the suffix
+    after a prefix hit of P tokens whose rings are in the state is `[P, N)`. Each chunk lies inside its
+    row's extend.
+
+    `hit` (None: none) is the length of a cached prefix the extend resumes (SPEC §11 prefix hit): the
+    Global KV entries completed before it are the cache's, read and never rewritten (an entry straddling
+    it completes after it and is written). `start < hit` is an *encoder replay*: the state holds that
+    Global KV but not the prefix's rings, so the extend re-runs its last prefix tokens to rebuild them;
+    their windows begin at `start`, and they count towards the decoder tail like any other row of the
+    extend. `Extend.replaying` plans it.
+    """
 
     start: Array
     end: Array
+    hit: Array | None = None
 
     @classmethod
     def cold(cls, lengths: Array) -> "Extend":
         """Prompts of `lengths [B]` tokens on empty rows: `[0, lengths)`."""
         lengths = jnp.asarray(lengths, jnp.int32)
         return cls(start=jnp.zeros_like(lengths), end=lengths)
+
+    @classmethod
+    def replaying(cls, cfg: ModelConfig, policy: ReplayPolicy, hit: Array, end: Array) -> "Extend":
+        """The extend that resumes a cached prefix of `hit [B]` tokens without its rings, for a prompt of
+        `end [B]` tokens (SPEC §11 encoder replay): it re-runs the last `max(W, T − (end − hit))` prefix
+        tokens (all of them when fewer), W the sliding window and T = min(R, end) the decoder tail, so
+        the encoder's windows are whole again when the suffix starts and the decoder tail is the full
+        prompt's last T positions. Exact mode (T = end) re-runs the whole prefix. SPEC's worked example:
+        hit 4096, prompt 4100, W = R = 128 → `[3968, 4100)`, decoder tail `[3972, 4100)`.
+        """
+        hit, end = jnp.asarray(hit, jnp.int32), jnp.asarray(end, jnp.int32)
+        tail = end if policy.exact else jnp.minimum(policy.window, end)
+        start = jnp.maximum(jnp.minimum(hit - cfg.sliding_window, end - tail), 0)
+        return cls(start=start, end=end, hit=hit)
 
     @classmethod
     def of(cls, chunk: Chunk) -> "Extend":
@@ -107,6 +152,20 @@ class Extend:
     def tail_start(self, policy: ReplayPolicy) -> Array:
         """First position of the decoder tail `[max(start, end − R), end)` [B]."""
         return jnp.maximum(self.start, self.end - policy.window)
+
+    def decoder_floor(self, policy: ReplayPolicy) -> Array:
+        """Where the decoder windows of the extend begin [B]: the tail start ("truncate"), or `end − R`
+        ("borrow": the prefix's cached decoder ring entries fill the rest of the window)."""
+        if policy.short_extend == "borrow":
+            return jnp.maximum(self.end - policy.window, 0)
+        return self.tail_start(policy)
+
+    def encoder_floor(self) -> Array:
+        """Where the encoder windows begin [B]: `start` when the extend replays a prefix (the rings hold
+        nothing older), else 0."""
+        if self.hit is None:
+            return jnp.zeros_like(self.start)
+        return jnp.where(self.start < self.hit, self.start, 0)
 
 
 @chex.dataclass(frozen=True)
@@ -154,6 +213,6 @@ def plan(cfg: ModelConfig, policy: ReplayPolicy, chunk: Chunk, s: int, floor: Ar
     offset = jnp.clip(first - chunk.start, 0, chunk.n_valid)  # [B] first chunk row of the tail
     t = min(policy.window, s)
     rows = jnp.minimum(offset[:, None] + jnp.arange(t, dtype=jnp.int32)[None], s - 1)  # [B, T]
-    floor = jnp.where(chunk.n_valid > 0, jnp.maximum(floor, first), floor)
+    floor = jnp.where(chunk.n_valid > 0, jnp.maximum(floor, extend.decoder_floor(policy)), floor)
     tail = DecoderTail(rows=rows, chunk=Chunk(start=chunk.start + offset, n_valid=chunk.n_valid - offset, floor=floor))
     return ReplayPlan(split=policy.split(cfg), cut=True, tail=tail)

@@ -117,11 +117,13 @@ class Flow:
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What every layer of a segment shares: the chunk of the rows in the flow, the Engram token window
-    of the whole chunk `[B, N−1+S]`, the chunk rows of the flow (`None` = every row), the numerics."""
+    of the whole chunk `[B, N−1+S]`, the chunk rows of the flow (`None` = every row), the first position
+    whose Global KV entries the call may write (`None` = any; SPEC §11 encoder replay), the numerics."""
 
     chunk: Chunk
     history: Array | None
     rows: Array | None
+    written_from: Array | None
     quantize: bool
     index_loss: str | None
 
@@ -165,11 +167,11 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
     if spec.kv_source is not None:
         stack = kv_address(cfg, spec.kv_source)[0]
         source = state.global_kv[stack].source(slot)
-        if compresses(spec):
+        if spec.compresses:
             tails = state.tails[stack]
             tail = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=False), tails)
             source, tail = compress(cfg, p["attn"]["compressor"], spec.ratio, source, tail, x, chunk.start,
-                                    chunk.n_valid, quantize=ctx.quantize)
+                                    chunk.n_valid, quantize=ctx.quantize, written_from=ctx.written_from)
             tails = jax.tree.map(lambda a, t: jax.lax.dynamic_update_index_in_dim(a, t, slot, axis=1), tails, tail)
             state = state.replace(global_kv=_replace(state.global_kv, stack, source.stack()),
                                   tails=_replace(state.tails, stack, tails))
@@ -248,14 +250,9 @@ def segments(cfg: ModelConfig, split: int, cut: bool) -> tuple[list[Unit], int |
     before the layer), and the units after it."""
     groups = layer_groups(cfg)
     L = cfg.num_hidden_layers
-    if cut and compresses(layer_plan(cfg)[split]):
+    if cut and layer_plan(cfg)[split].compresses:
         return _units(groups, 0, split), split, _units(groups, split + 1, L)
     return _units(groups, 0, split), None, _units(groups, split, L)
-
-
-def compresses(spec: LayerSpec) -> bool:
-    """Whether the layer writes Global KV: a Full layer compresses its own input first."""
-    return spec.kv_source is not None and spec.role == "full"
 
 
 def _slots(cfg: ModelConfig, group: Group, iterations: range) -> Array | None:
@@ -362,7 +359,9 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     """
     b, s = tokens.shape
     chex.assert_shape([state.length, state.floor, n_valid], (b,))
-    chunk = Chunk(start=state.length, n_valid=n_valid, floor=jnp.zeros_like(state.length))
+    encoder_floor = jnp.zeros_like(state.length) if extend is None else extend.encoder_floor()
+    written_from = None if extend is None else extend.hit  # replayed prefix rows never rewrite its Global KV
+    chunk = Chunk(start=state.length, n_valid=n_valid, floor=encoder_floor)
     plan: ReplayPlan = replay_plan(cfg, replay, chunk, s, state.floor, extend)
     history = _history(cfg, state, tokens, chunk.start) if cfg.engram_layer_ids else None
     X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
@@ -371,9 +370,10 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
                 features=jnp.zeros((b, s, len(cfg.dspark_target_layer_ids), cfg.hidden_size), jnp.float32)
                 if features else None)
     before, at, after = segments(cfg, plan.split, plan.cut)
-    everyone = Context(chunk=chunk, history=history, rows=None, quantize=quantize, index_loss=index_loss)
+    everyone = Context(chunk=chunk, history=history, rows=None, written_from=written_from, quantize=quantize,
+                       index_loss=index_loss)
     tail = Context(chunk=plan.tail.chunk, history=history, rows=plan.tail.rows if plan.cut else None,
-                   quantize=quantize, index_loss=index_loss)
+                   written_from=written_from, quantize=quantize, index_loss=index_loss)
 
     groups = layer_groups(cfg)
     ys, work = [], jnp.zeros((), jnp.int32)

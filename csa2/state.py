@@ -14,7 +14,8 @@ Everything beyond `length` is scratch, so commit after verify is "set `length`",
 The layers from the replay split on never read a window entry below `floor`. A prefill with a replay
 window R runs those layers only on its extend's decoder tail `[end − T, end)`, T = min(R, end − start)
 (`csa2.replay.Extend`: the prompt's new tokens, in however many chunks), so their rings hold nothing
-older; each such call that gives a row tokens raises the row's floor to `end − T` (never lowers it).
+older; each such call that gives a row tokens raises the row's floor to `end − T` (never lowers it; a
+"borrow" short extend on a prefix hit raises it to `end − R` only, `csa2.replay.ReplayPolicy`).
 Exact prefills, decode steps, verify and a row with no tokens in the call leave it where it is.
 
 Every leaf has the batch axis first, so `fork` is one tree map. Same-ratio KV sources are stacked

@@ -52,9 +52,7 @@ import numpy as np
 
 from csa2 import model
 from csa2.config import PRESETS, preset
-from csa2.layout import layer_plan
-from csa2.replay import EXACT, ReplayPolicy
-from csa2.stack import compresses
+from csa2.replay import EXACT, ReplayPolicy, token_layers
 from csa2.state import init_state, state_bytes, token_granule
 from infer import generate
 from infer.values import round_up
@@ -390,10 +388,7 @@ def bench_prefill(rep: Reporter, cfg, params, n: int, reps: int, budget_gib: flo
             times[key].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
     pair_ratios = [b / e for b, e in zip(times["bounded"], times["exact"])]
-    t = min(128, n)
-    split, layers = cfg.first_decoder_layer, cfg.num_hidden_layers
-    split += compresses(layer_plan(cfg)[split])  # a compressing split layer takes every row
-    expected = (split * n + (layers - split) * t) / (layers * n)
+    expected = token_layers(cfg, ReplayPolicy(window=128), n) / token_layers(cfg, EXACT, n)
     rep.emit(
         "prefill_replay", context=n, context_requested=requested or n,
         status="ok" if requested in (None, n) else "fallback",

@@ -92,7 +92,7 @@ def test_lowered_entry_point_compiles_once_and_matches(mini_params):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(window=-3), "window"), (dict(window=0), "window"), (dict(window=1.5), "window"),
     (dict(split_layer=-1), "split_layer"), (dict(split_layer="20"), "split_layer"),
-    (dict(short_extend="borrow"), "short_extend"),
+    (dict(short_extend="fill"), "short_extend"),
 ])
 def test_replay_policy_validates_at_construction(kwargs, field):
     with pytest.raises(ValueError, match=f"ReplayPolicy.{field}"):

@@ -7,7 +7,7 @@ import pytest
 
 from csa2 import model
 from csa2.config import preset
-from csa2.replay import EXACT, ReplayPolicy
+from csa2.replay import EXACT, ReplayPolicy, token_layers
 from csa2.state import init_state
 from tests.csa2.helpers import keep, tokens as _tokens
 
@@ -152,13 +152,22 @@ def test_small_replay_window_keeps_global_kv_and_bounds_decoder_work(mini_params
     # attention and FFN on the tail, so it counts them all.
     total = sum((split + 1) * int(v) + (layers - split - 1) * min(r, int(v)) for v in n_valid)
     assert int(w_replay["work"]) == total and int(w_exact["work"]) == layers * int(n_valid.sum())
+    assert total == sum(token_layers(MINI, ReplayPolicy(window=r), int(v)) for v in n_valid)
     # split_layer moves the boundary: L{split} whole on every row, L{split+1} (Reuse) on the tail only.
     _, split21, w21 = run(ReplayPolicy(window=r, split_layer=split + 1))
-    assert int(w21["work"]) == total
+    assert int(w21["work"]) == total == sum(token_layers(MINI, ReplayPolicy(window=r, split_layer=split + 1), int(v))
+                                             for v in n_valid)
     np.testing.assert_array_equal(split21.floor, replayed.floor)
     # decoding after a replayed prefill stays finite and respects the floor
     out, _ = model.decode_step(MINI, mini_params, replayed, jnp.array([1, 2], jnp.int32))
     assert np.isfinite(np.asarray(out)).all()
+
+
+def test_release_replay_saves_the_reported_token_layer_work_at_8k():
+    """The V4.1 report's 46.76 % at 8K: SGLang's split (layer 20 whole on every row, tails from 21), R = 128."""
+    cfg = preset("v41_flash")
+    saving = 1 - token_layers(cfg, ReplayPolicy(window=128, split_layer=21), 8192) / token_layers(cfg, EXACT, 8192)
+    assert round(100 * saving, 2) == 46.76
 
 
 def test_replay_row_without_tokens_comes_out_unchanged(mini_params):
