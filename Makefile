@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo venv clean
+.PHONY: test demo notebooks venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset v41_flash --context 1048576
 	JAX_PLATFORMS=cpu $(PY) -m train.demo
+
+# Re-run every notebook at full size and save its outputs (what is committed; `make test` runs them fast).
+notebooks: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m experiments.notebooks
 
 clean:
 	rm -rf $(VENV)

@@ -1,6 +1,6 @@
 """`python -m train.bench`: compile seconds and step time of `train_step` (DESIGN §5, §8).
 
-    python -m train.bench [--config tiny] [--batch-size 4] [--seq-len 128] [--steps 5] [--qat]
+    python -m train.bench [--config tiny] [--batch-size 4] [--seq-len 128] [--steps 5] [--float]
 
 One JSON line per measurement with the machine and the config (the `infer.bench_model` reporter):
 `compile` (lower and compile seconds of the jitted update) and `train_step` (median step seconds
@@ -29,12 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the compiled first one")
-    ap.add_argument("--qat", action="store_true", help="fake-quant forward (SPEC §8)")
+    ap.add_argument("--float", action="store_true", help="ablation: float forward (default: SPEC §8 fake-quant)")
     args = ap.parse_args(argv)
     if min(args.batch_size, args.seq_len, args.steps) < 1:
         print("error: --batch-size, --seq-len and --steps must be ≥ 1", file=sys.stderr)
         return 2
     cfg = preset(args.config)
+    qat = not args.float
     tc = TrainConfig(steps=args.steps + 1, batch_size=args.batch_size, seq_len=args.seq_len)
     rep = Reporter(machine_info(), {**config_info(args.config, cfg), "batch": args.batch_size, "seq_len": args.seq_len})
     state = init_train_state(cfg, tc)
@@ -42,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     batch = [jnp.asarray(rng.integers(0, min(cfg.vocab_size, 256), (args.batch_size, args.seq_len)), jnp.int32)
              for _ in range(2)]
     t0 = time.perf_counter()
-    lowered = train_step.lower(cfg, tc, state, *batch, qat=args.qat)
+    lowered = train_step.lower(cfg, tc, state, *batch, qat=qat)
     t1 = time.perf_counter()
     step = lowered.compile()
     t2 = time.perf_counter()
-    rep.emit("compile", fn="train_step", qat=args.qat, lower_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
+    rep.emit("compile", fn="train_step", qat=qat, lower_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
              total_s=round(t2 - t0, 3))
     state, _ = step(state, *batch)
     times = []
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    rep.emit("train_step", qat=args.qat, steps=args.steps, median_step_s=round(med, 4),
+    rep.emit("train_step", qat=qat, steps=args.steps, median_step_s=round(med, 4),
              tokens_per_s=round(args.batch_size * args.seq_len / med, 1))
     return 0
 

@@ -3,13 +3,14 @@
 The one driver that uses both sides: it lives in `train/` and calls `infer.generate` (inference
 never imports the trainer).
 
-1. trains the `demo` preset (every CSA2 role, 8 layers) on CPython's `pydoc_data.topics`;
-2. saves a checkpoint and reports validation bits per byte (float and FP4/FP8 numerics);
+1. trains the `demo` preset (every CSA2 role, 8 layers) on CPython's `pydoc_data.topics` with the SPEC §8
+   numerics (fake-quant from step 0, the training default);
+2. saves a checkpoint and reports validation bits per byte (FP4/FP8 numerics, as inference runs them, and float);
 3. continues a few prompts in one batched, jitted generation loop (tokens/s after compile);
 4. reports KV bytes per token and the prefill token×layer saving of bounded replay (SPEC §11);
 5. adapts the DSpark drafter on the frozen backbone (`train.dspark`, SPEC §12) and decodes the prompts
    greedily both ways: plain `generate` and speculative decoding (token-identical, checked).
-The last six lines are machine-readable: `val_bpb`, `tokens_per_s`, `kv_bytes_per_token`, then
+The last six lines are machine-readable: `val_bpb` (SPEC §8 numerics), `tokens_per_s`, `kv_bytes_per_token`, then
 `spec_tokens_per_s`, `plain_tokens_per_s`, `mean_accept`.
 """
 
@@ -79,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     cfg = preset(args.preset)
     corpus = load_corpus()
-    print(f"# training preset {args.preset!r} for {args.steps} steps on {corpus.train.size:,} bytes "
-          f"(pydoc_data.topics), checkpoints in {args.out}", flush=True)
-    tc = TrainConfig(steps=args.steps)
+    print(f"# training preset {args.preset!r} for {args.steps} steps with the SPEC §8 numerics (QAT) on "
+          f"{corpus.train.size:,} bytes (pydoc_data.topics), checkpoints in {args.out}", flush=True)
+    tc = TrainConfig(steps=args.steps)  # QAT from step 0: the SPEC §8 numerics generation runs
     state = train(cfg, tc, corpus.train, args.out, log=lambda _: None)
     with open(f"{args.out}/metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -89,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     print("# loss curve (train bpb): " + ", ".join(f"step {records[i]['step']}: {records[i]['bpb']:.2f}" for i in marks)
           + f"; indexer KL {records[0]['index_kl']:.4f} → {records[-1]['index_kl']:.4f}; plot {args.out}/loss.png")
 
-    val_bpb = evaluate(cfg, state.params, corpus.valid, qat=False)
-    val_fp4 = evaluate(cfg, state.params, corpus.valid, qat=True)
-    print(f"# validation ({corpus.valid.size:,} bytes): {val_bpb:.3f} bpb float, {val_fp4:.3f} bpb FP4/FP8 cache")
+    val_bpb = evaluate(cfg, state.params, corpus.valid, qat=True)
+    val_float = evaluate(cfg, state.params, corpus.valid, qat=False)
+    print(f"# validation ({corpus.valid.size:,} bytes): {val_bpb:.3f} bpb FP4/FP8 cache (trained with QAT), "
+          f"{val_float:.3f} bpb float")
 
     prompts = [encode(text) for text in PROMPTS]
     plan = generate.plan(cfg, prompts, max_new_tokens=args.max_new_tokens,

@@ -60,7 +60,7 @@ from csa2 import checkpoint, dspark, model
 from csa2.config import ModelConfig
 from csa2.params import arrays
 from train.data import batches
-from train.loop import progress, pyplot
+from train.loop import figure, progress
 
 Array = jax.Array
 
@@ -285,12 +285,12 @@ def _host(metrics: dict) -> dict:
 def plot(records: list[dict], path: pathlib.Path) -> bool:
     """Loss parts, per-slot acceptance (first vs last logged step) and accepted length / ECE as a PNG;
     False (nothing written) without the `plot` extra (matplotlib)."""
-    plt = pyplot()
-    if plt is None:
+    drawn = figure(3, (13, 3.4))
+    if drawn is None:
         return False
 
+    fig, axes = drawn
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
     for key, label in (("loss", "loss"), ("ce", "CE"), ("l1", "L1(p_draft, p_target)"), ("bce", "BCE(c, α)")):
         axes[0].plot(steps, [r[key] for r in records], label=label)
     axes[0].set(xlabel="step", ylabel="nats / L1", title="DSpark loss (SPEC §12)")
@@ -312,7 +312,6 @@ def plot(records: list[dict], path: pathlib.Path) -> bool:
     axes[2].legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1], fontsize=7, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return True
 
 
@@ -413,7 +412,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--no-qat", action="store_true", help="float target and float draft windows (default: SPEC §8)")
+    p.add_argument("--float", action="store_true", help="ablation: float target and float draft windows "
+                   "(default: SPEC §8 numerics)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches after training (0: none)")
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         dc = DSparkTrainConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq_len, anchors=args.anchors,
-                               lr=args.lr, warmup=args.warmup, qat=not args.no_qat, log_every=args.log_every,
+                               lr=args.lr, warmup=args.warmup, qat=not args.float, log_every=args.log_every,
                                seed=args.seed)
         if args.eval_batches < 0:
             raise ValueError(f"--eval-batches={args.eval_batches}: must be ≥ 0 (0 skips validation)")

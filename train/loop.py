@@ -11,7 +11,7 @@ import math
 import pathlib
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +20,8 @@ from csa2.config import ModelConfig
 from csa2 import checkpoint
 from train.data import batches, eval_batches
 from train.step import TrainConfig, TrainState, eval_loss, init_train_state, train_step
+
+Batches = Callable[[int], Iterator[tuple[np.ndarray, np.ndarray, "np.ndarray | None"]]]  # start step → batches
 
 
 def evaluate(cfg: ModelConfig, params: dict, tokens: np.ndarray, *, qat: bool, batch_size: int = 8,
@@ -40,40 +42,45 @@ def progress(step: int, total: int, fields: str, eta: float) -> None:
     sys.stderr.flush()
 
 
-def pyplot():
-    """`matplotlib.pyplot` on the Agg backend, or None without the `plot` extra (`pip install -e '.[plot]'`)."""
+def figure(ncols: int, figsize: tuple[float, float]):
+    """(figure, axes) of one row of `ncols` plots, drawn off-screen, or None without the `plot` extra
+    (`pip install -e '.[plot]'`). A bare `matplotlib.figure.Figure`: the process's pyplot backend is left
+    alone, so a notebook that trains still shows its own plots inline."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(1, ncols)
 
 
 def plot_losses(records: list[dict], path: pathlib.Path) -> bool:
     """Loss and indexer-KL curves as a PNG; False (nothing written) without the `plot` extra (matplotlib)."""
-    plt = pyplot()
-    if plt is None:
+    drawn = figure(2, (9, 3.2))
+    if drawn is None:
         return False
 
+    fig, axes = drawn
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     axes[0].plot(steps, [r["bpb"] for r in records])
     axes[0].set(xlabel="step", ylabel="train bits per byte", title="LM loss")
     axes[1].plot(steps, [r["index_kl"] for r in records])
     axes[1].set(xlabel="step", ylabel="KL (nats)", title="indexer KL (SPEC §13)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return True
 
 
-def train(cfg: ModelConfig, tc: TrainConfig, train_tokens: np.ndarray, out: str | pathlib.Path, *,
+def train(cfg: ModelConfig, tc: TrainConfig, data: np.ndarray | Batches, out: str | pathlib.Path, *,
           resume: bool = False, log: Callable[[str], None] = print, save_every: int = 0,
           until: int | None = None) -> TrainState:
     """Train up to step `until` (default `tc.steps`) of the `tc` schedule, from the latest checkpoint
-    in `out` when `resume`; then save, write metrics.jsonl and plot the loss curve."""
+    in `out` when `resume`; then save, write metrics.jsonl and plot the loss curve.
+
+    `data` is a token stream (random windows of `tc.batch_size × tc.seq_len`, `train.data.batches`) or a
+    `Batches` function: `data(start_step)` iterates `(inputs, targets, weights)` from that step on, each
+    batch a pure function of its step (so resuming stays bit-identical) and of any shape (one compile per
+    shape), e.g. the mixed long-context batches of `train.longctx`."""
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = init_train_state(cfg, tc)
@@ -82,25 +89,31 @@ def train(cfg: ModelConfig, tc: TrainConfig, train_tokens: np.ndarray, out: str 
         state = TrainState(params=restored["params"], opt_state=restored["opt_state"],
                            step=jnp.asarray(restored["step"], jnp.int32), rng=restored["rng"])
     first = int(state.step)
-    data = batches(train_tokens, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=first)
+    if callable(data):
+        stream = data(first)
+    else:
+        stream = ((x, y, None) for x, y in batches(data, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=first))
     metrics_path = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if resume and metrics_path.exists() else []
     records = [r for r in records if r["step"] <= first]
     last = tc.steps if until is None else min(until, tc.steps)
     if first >= last:
         log(f"nothing to do: the checkpoint in {out} is at step {first} ≥ {last}")
-    tokens_per_step = tc.batch_size * tc.seq_len
     compiled = time.perf_counter()
+    tokens = 0  # trained since the first (compiling) step
     for step in range(first, last):
-        inputs, targets = next(data)
+        inputs, targets, weights = next(stream)
         state, metrics = train_step(cfg, tc, state, jnp.asarray(inputs), jnp.asarray(targets),
-                                    dense=step < tc.dense_warmup_steps, qat=tc.qat_from is not None and step >= tc.qat_from)
+                                    None if weights is None else jnp.asarray(weights),
+                                    dense=step < tc.dense_warmup_steps, qat=tc.qat(step))
         metrics = {k: float(v) for k, v in metrics.items()}
         now = time.perf_counter()
         if step == first:  # the first step includes compilation: rates count from its end
             compiled = now
+        else:
+            tokens += inputs.size
         done = step - first
-        rate = done * tokens_per_step / (now - compiled) if done else 0.0
+        rate = tokens / (now - compiled) if done else 0.0
         record = {"step": step + 1, **metrics, "tokens_per_s": rate}
         records.append(record)
         log(json.dumps(record))

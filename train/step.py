@@ -1,6 +1,7 @@
 """The pure training step: LM loss + indexer KL (SPEC §13), AdamW, aux-loss-free MoE balancing (SPEC §9).
 
-`train_step(cfg, tc, state, inputs, targets)` is one jitted update. The MoE correction biases are
+`train_step(cfg, tc, state, inputs, targets)` is one jitted update. Training runs the SPEC §8 numerics by
+default (`TrainConfig.qat_from = 0`: fake-quant from the first step); float is the ablation. The MoE correction biases are
 `RouterBias` variables, which the optimizer leaves alone by type; after each step they move by
 `csa2.model.update_router_bias` from the step's measured expert loads.
 """
@@ -38,7 +39,7 @@ class TrainConfig:
     index_loss_weight: float = 1.0
     dense_warmup_steps: int = 0  # steps whose indexer KL uses every visible entry (SPEC §13 recipe)
     bias_rate: float = 1e-3
-    qat_from: int | None = None  # from this step on, SPEC §8 fake-quant (straight-through) in the forward pass
+    qat_from: int | None = 0  # from this step on, SPEC §8 fake-quant (straight-through); None = float (ablation)
     replay_window: int | None = None  # train on the decoder tail of SPEC §11 (None = every position)
     seed: int = 0
 
@@ -48,8 +49,15 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)}: must be ≥ 1")
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr={self.lr}: must be > 0")
+        if self.qat_from is not None and not 0 <= self.qat_from < self.steps:
+            raise ValueError(f"TrainConfig.qat_from={self.qat_from}: use a step in [0, steps={self.steps}) "
+                             "(0 = SPEC §8 numerics throughout), or None to train in float")
         if self.replay_window is not None and self.replay_window < 1:
             raise ValueError(f"TrainConfig.replay_window={self.replay_window}: use ≥ 1, or None for no replay")
+
+    def qat(self, step: int) -> bool:
+        """Whether step `step` (0-based) runs the SPEC §8 fake-quant forward."""
+        return self.qat_from is not None and step >= self.qat_from
 
     @property
     def replay(self) -> ReplayPolicy:
@@ -99,28 +107,34 @@ def _nll(logits: Array, targets: Array) -> Array:
 
 
 def token_loss(logits: Array, targets: Array, mask: Array) -> Array:
-    """Mean next-token cross-entropy (nats) over `mask`."""
+    """Mean next-token cross-entropy (nats) weighted by `mask` (0/1, or per-token loss weights)."""
     return jnp.sum(_nll(logits, targets) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def losses(cfg: ModelConfig, tc: TrainConfig, params: nnx.State, inputs: Array, targets: Array, dense: bool, qat: bool):
-    """(total, aux): LM cross-entropy on the rows that reach the head plus weighted indexer KL."""
+def losses(cfg: ModelConfig, tc: TrainConfig, params: nnx.State, inputs: Array, targets: Array, weights: Array | None,
+           dense: bool, qat: bool):
+    """(total, aux): LM cross-entropy (weighted by `weights [B, L]`, uniform when None) on the rows that reach
+    the head, plus the weighted indexer KL."""
     logits, aux = model.forward(cfg, params, inputs, qat=qat, replay=tc.replay,
                                 index_loss="dense" if dense else "sparse")
     rows = aux["rows"]  # [B, T]: all rows, or the decoder tail under replay
-    lm = token_loss(logits, jnp.take_along_axis(targets, rows, axis=1), jnp.ones(rows.shape, jnp.float32))
+    mask = jnp.ones(rows.shape, jnp.float32) if weights is None else jnp.take_along_axis(weights, rows, axis=1)
+    lm = token_loss(logits, jnp.take_along_axis(targets, rows, axis=1), mask)
     kl = jnp.sum(aux["index_kl"]) / _index_layers(cfg)
     return lm + tc.index_loss_weight * kl, {"lm": lm, "index_kl": kl, "load": aux["load"]}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tc", "dense", "qat"), donate_argnames=("state",))
 def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Array, targets: Array,
-               dense: bool = False, qat: bool = False) -> tuple[TrainState, dict]:
+               weights: Array | None = None, dense: bool = False, qat: bool = True) -> tuple[TrainState, dict]:
     """One update on a batch `inputs, targets [B, L]`; returns the new state and scalar metrics.
 
-    `dense`: indexer KL over every visible entry (warm-up); `qat`: fake-quant forward (SPEC §8).
+    `weights [B, L]`: per-token loss weights (None = uniform; e.g. the answer digits of a retrieval
+    example weigh more, `train.longctx`); `dense`: indexer KL over every visible entry (warm-up);
+    `qat`: the SPEC §8 fake-quant forward (False = the float ablation). `metrics["loss"]` is the weighted mean.
     """
-    (_, aux), grads = jax.value_and_grad(lambda p: losses(cfg, tc, p, inputs, targets, dense, qat), has_aux=True)(
+    (_, aux), grads = jax.value_and_grad(lambda p: losses(cfg, tc, p, inputs, targets, weights, dense, qat),
+                                         has_aux=True)(
         state.params)
     updates, opt_state = optimizer(tc).update(grads, state.opt_state, state.params)
     params = model.update_router_bias(cfg, optax.apply_updates(state.params, updates), aux["load"], tc.bias_rate)

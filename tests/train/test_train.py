@@ -15,7 +15,7 @@ from csa2.config import preset
 from csa2.layout import layer_groups
 from csa2.moe import RouterBias, bias_update
 from train.data import load_corpus
-from train.loop import evaluate, train
+from train.loop import evaluate, plot_losses, train
 from train.step import TrainConfig, _labels, init_train_state, train_step
 
 CFG = preset("mini")
@@ -69,7 +69,7 @@ def test_indexer_kl_falls_during_training(straight, corpus):
     tokens = jnp.asarray(corpus.valid[:2 * 33].reshape(2, 33))
     kls = []
     for _ in range(TC.steps):
-        state, metrics = train_step(CFG, TC, state, tokens[:, :-1], tokens[:, 1:], dense=False, qat=False)
+        state, metrics = train_step(CFG, TC, state, tokens[:, :-1], tokens[:, 1:], dense=False)
         kls.append(float(metrics["index_kl"]))
     assert kls[-1] < 0.95 * kls[0], kls
 
@@ -106,12 +106,12 @@ def test_train_step_moves_params_and_router_biases_only_by_the_bias_rule(corpus)
     state = init_train_state(CFG, TC)
     tokens = jnp.asarray(corpus.train[:2 * 33].reshape(2, 33))
     # step 0: the warm-up lr is 0, so only the router biases move
-    state, _ = train_step(CFG, TC, state, tokens[:, :-1], tokens[:, 1:], dense=False, qat=False)
+    state, _ = train_step(CFG, TC, state, tokens[:, :-1], tokens[:, 1:], dense=False)
     kinds = _kinds(state.params)
     before = _flat_values(state.params)
     lr = TC.lr / TC.warmup  # step 1 of the linear warm-up from 0
     assert lr > 0
-    state, _ = train_step(CFG, TC, state, tokens[:, :-1], tokens[:, 1:], dense=False, qat=False)
+    state, _ = train_step(CFG, TC, state, tokens[:, :-1], tokens[:, 1:], dense=False)
     after = _flat_values(state.params)
     assert _kinds(state.params) == kinds
     rate, moved_biases = TC.bias_rate, 0
@@ -169,3 +169,17 @@ def test_cli_errors_are_one_line(argv, message):
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env={"JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_loss_plot_leaves_the_pyplot_backend_alone(tmp_path):
+    """A notebook that trains keeps its inline plots: writing loss.png must not switch the process to Agg."""
+    import matplotlib
+
+    previous = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        records = [{"step": s, "bpb": 3.0 - s / 10, "index_kl": 0.1} for s in (1, 2, 3)]
+        assert plot_losses(records, tmp_path / "loss.png")
+        assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG" and matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(previous)

@@ -1,0 +1,153 @@
+"""Bounded decoder replay against the exact reference (SPEC §11): what a replay window R and a split layer cost
+in next-token error, and what they save in token×layer work and wall time; the same for prefix hits.
+
+Every comparison runs the SPEC §8 inference numerics (fp4 cache) on the same prompts, and reports:
+- `kl_end`, `top1_end`: KL(exact ‖ bounded) of the next-token distribution at the prompt end (nats, mean over
+  prompts) and how often the two argmaxes agree;
+- `kl_steps`, `top1_steps`: the same over the first k generated tokens, both states fed the exact run's greedy
+  tokens (teacher forcing, so the error is the state's, not a diverged text's);
+- `work_ratio`: token×layer work of the bounded prefill over the exact one (`prefill`'s aux `work`);
+- `wall_ratio`: median wall time of the bounded prefill over the exact one, warm, measured interleaved.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2 import model
+from csa2.config import ModelConfig
+from csa2.replay import EXACT, ReplayPolicy
+from csa2.state import init_state, token_granule
+from infer import generate, prefix_cache
+from infer.values import pow2, round_up
+from train.data import passkey_example
+
+
+def _capacity(cfg: ModelConfig, n: int) -> int:
+    return round_up(pow2(n), token_granule(cfg))
+
+
+def _kl_top1(p_logits, q_logits) -> tuple[float, float]:
+    """Mean KL(p ‖ q) in nats and argmax agreement over rows of `[B, V]` logits."""
+    lp, lq = jax.nn.log_softmax(p_logits, -1), jax.nn.log_softmax(q_logits, -1)
+    kl = jnp.sum(jnp.exp(lp) * (lp - lq), -1)
+    return float(jnp.mean(kl)), float(jnp.mean(jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)))
+
+
+def _timed_prefills(cfg, params, prompts, policies: dict, reps: int):
+    """Each policy's prefill of `prompts [B, N]` on a fresh state: its (logits, state, work) and the median warm
+    wall time over `reps` interleaved runs (the first run of each compiles and is not timed)."""
+    b, n = prompts.shape
+    cap = _capacity(cfg, n + 64)
+    tokens = jnp.asarray(prompts)
+
+    def run(policy):
+        state = init_state(cfg, b, cap, "fp4")
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        out = model.prefill(cfg, params, state, tokens, replay=policy)
+        jax.block_until_ready(out)
+        return out, time.perf_counter() - t0
+
+    results = {name: run(p)[0] for name, p in policies.items()}
+    times = {name: [] for name in policies}
+    for i in range(reps):
+        for name in (list(policies) if i % 2 == 0 else list(policies)[::-1]):
+            times[name].append(run(policies[name])[1])
+    return results, {name: statistics.median(t) for name, t in times.items()}
+
+
+def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, steps: int = 8, reps: int = 3) -> list[dict]:
+    """`replay_error` for every (R, split layer) pair, one exact run shared: rows of the error-vs-R table
+    (`split=None`: the first decoder layer)."""
+    policies = {"exact": EXACT}
+    for split in splits:
+        for window in windows:
+            policies[(window, split)] = ReplayPolicy(window=window, split_layer=split)
+    results, wall = _timed_prefills(cfg, params, prompts, policies, reps)
+    (le, se, we) = results["exact"]
+    rows = []
+    for key, policy in policies.items():
+        if key == "exact":
+            continue
+        lb, sb, wb = results[key]
+        rows.append({"window": policy.window, "split": policy.split(cfg), **_compare(cfg, params, (le, se), (lb, sb), steps),
+                     "work_ratio": int(wb["work"]) / int(we["work"]), "wall_ratio": wall[key] / wall["exact"]})
+    return rows
+
+
+def _compare(cfg, params, exact, bounded, steps: int) -> dict:
+    """The error measures of `bounded` against `exact`, each a (last logits [B, V], state) pair."""
+    (le, se), (lb, sb) = exact, bounded
+    kl_end, top1_end = _kl_top1(le, lb)
+    se, sb = model.fork(se, jnp.arange(se.batch)), model.fork(sb, jnp.arange(sb.batch))  # keep the inputs intact
+    kls, top1s, tok = [], [], jnp.argmax(le, -1).astype(jnp.int32)
+    for _ in range(steps):
+        le, se = model.decode_step(cfg, params, se, tok)
+        lb, sb = model.decode_step(cfg, params, sb, tok)
+        kl, top1 = _kl_top1(le, lb)
+        kls.append(kl)
+        top1s.append(top1)
+        tok = jnp.argmax(le, -1).astype(jnp.int32)
+    return {"kl_end": kl_end, "top1_end": top1_end, "kl_steps": kls, "top1_steps": top1s}
+
+
+def prefix_hits(cfg: ModelConfig, params, prompts: np.ndarray, hits, policy: ReplayPolicy, *, chunk: int = 256,
+                steps: int = 8) -> list[dict]:
+    """Prefix-hit scenarios (SPEC §11) against the cold exact prefill of the whole prompts `[B, N]`: for each hit
+    size P, the prefix is prefilled and stored first, then the prompt is served from the store with its snapshot
+    (both short-extend modes) and without it (encoder replay). Rows: hit, scenario, the error measures, the
+    token×layer work of serving the prompt and its wall time."""
+    b, n = prompts.shape
+    cap = _capacity(cfg, n + steps)
+    logits, state, _ = model.prefill(cfg, params, init_state(cfg, b, cap, "fp4"), jnp.asarray(prompts), replay=EXACT)
+    reference = (logits, state)
+    scenarios = [(0, "cold", True, policy.short_extend)]
+    for hit in hits:
+        scenarios += [(hit, "snapshot, truncate", True, "truncate"), (hit, "snapshot, borrow", True, "borrow"),
+                      (hit, "encoder replay", False, policy.short_extend)]
+    rows = []
+    for hit, scenario, snapshot, mode in scenarios:
+        replay = ReplayPolicy(window=policy.window, split_layer=policy.split_layer, short_extend=mode)
+        logits, state, work, wall = _serve(cfg, params, prompts, hit, replay, cap, chunk, snapshot)
+        rows.append({"hit": hit, "scenario": scenario, **_compare(cfg, params, reference, (logits, state), steps),
+                     "work": work, "wall_s": wall})
+    return rows
+
+
+def _serve(cfg, params, prompts, hit: int, replay, cap: int, chunk: int, snapshot: bool):
+    """Serve `prompts` from a store holding their first `hit` tokens (0: an empty store): the last logits, the
+    state, the token×layer work and the warm wall time of serving them."""
+    def store():
+        s = prefix_cache.PrefixCache(cfg, records=2 * len(prompts), snapshots=2 * len(prompts) if snapshot else 0,
+                                     block=max(hit, 1))
+        if hit:
+            prefix_cache.prefill(cfg, params, s, list(prompts[:, :hit]), capacity=cap, replay=replay, chunk=chunk)
+        return s
+
+    def serve(s):
+        return prefix_cache.prefill(cfg, params, s, list(prompts), capacity=cap, replay=replay, chunk=chunk)
+
+    serve(store())  # compile the suffix's shapes: the timed call below is warm
+    s = store()
+    t0 = time.perf_counter()
+    logits, state, info = serve(s)
+    jax.block_until_ready(logits)
+    return logits, state, info["work"], time.perf_counter() - t0
+
+
+def passkey_by_depth(cfg: ModelConfig, params, policy: ReplayPolicy, *, length: int, depths, samples: int,
+                     digits: int = 5, seed: int = 0) -> dict[float, float]:
+    """Pass-key accuracy by needle depth with the prompt prefilled under `policy` and the answer decoded greedily
+    (`infer.generate`): {depth: share of the `samples` keys whose every digit came out right}."""
+    rng = np.random.default_rng(seed)
+    examples = [(d, *passkey_example(rng, length, d, digits=digits)) for d in depths for _ in range(samples)]
+    out = generate.generate(cfg, params, [p for _, p, _ in examples], max_new_tokens=digits, eos_id=None,
+                            replay=policy)
+    right = [np.array_equal(out.tokens[i, :digits], answer) for i, (_, _, answer) in enumerate(examples)]
+    return {float(d): float(np.mean([r for (dd, _, _), r in zip(examples, right) if dd == d])) for d in depths}

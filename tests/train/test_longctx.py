@@ -1,0 +1,138 @@
+"""The training CLI's numerics (SPEC §8 QAT by default, `--float` the ablation) and the long-context recipe
+(`train.longctx`): its mixed batches, its CLI, its cached checkpoint. Every run here is the fast variant."""
+
+import dataclasses
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from csa2.config import BOS_ID, preset
+from train import __main__ as cli
+from train import longctx
+from train.data import load_corpus
+from train.loop import train
+from train.step import TrainConfig
+
+FAST = longctx.FAST
+
+
+def test_qat_is_the_default_numerics():
+    assert TrainConfig().qat_from == 0
+    assert [TrainConfig(steps=10, qat_from=4).qat(s) for s in (3, 4, 9)] == [False, True, True]
+    assert not TrainConfig(qat_from=None).qat(0)
+    flags = lambda *argv: cli.train_config(cli.parse(["--out", "x", *argv]))  # noqa: E731
+    assert flags().qat_from == 0
+    assert flags("--float").qat_from is None
+    assert flags("--qat-from", "5").qat_from == 5
+    assert dataclasses.replace(flags("--steps", "7"), steps=TrainConfig().steps) == TrainConfig()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "x", "--float", "--qat-from", "3"], "--float and --qat-from 3: pick one"),
+    (["--out", "x", "--steps", "5", "--qat-from", "5"], "TrainConfig.qat_from=5"),
+    (["--steps", "5"], "--out is required"),
+    (["--recipe", "longctx", "--steps", "5", "--float"], "--recipe longctx with --steps --float"),
+    (["--recipe", "longctx", "--resume"], "--recipe longctx with --resume"),
+])
+def test_contradictory_flags_are_refused(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("field, value", [("stages", ()), ("stages", ((10, 2, 0),)), ("corpus_share", 1.5),
+                                          ("eval_depths", (0.5, 2.0)), ("digits", 0), ("lr", 0.0)])
+def test_recipe_fields_are_checked(field, value):
+    with pytest.raises(ValueError, match=re.escape(f"{field}={value}")):
+        dataclasses.replace(longctx.RECIPE_DEFAULT, **{field: value})
+
+
+def test_mixed_batches_follow_the_stages_and_weight_the_answer():
+    recipe = dataclasses.replace(FAST, stages=((2, 8, 128), (3, 2, 256)), corpus_share=0.5, multi_needle=0.5)
+    assert recipe.steps == 5 and recipe.train_config().steps == 5
+    batches = longctx.mixed_batches(recipe, load_corpus().train)
+    stream = batches(0)
+    kinds = set()
+    for step in range(recipe.steps):
+        inputs, targets, weights = next(stream)
+        rows, length = recipe.stage(step)
+        assert inputs.shape == targets.shape == weights.shape == (rows, length) and inputs.dtype == np.int32
+        np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+        for x, y, w in zip(inputs, targets, weights):
+            if np.all(w == 1):  # a corpus window
+                kinds.add("corpus")
+                continue
+            np.testing.assert_array_equal(w[:-recipe.digits], 1)
+            np.testing.assert_array_equal(w[-recipe.digits:], recipe.answer_weight)
+            assert x[0] == BOS_ID and all(ord("0") <= t <= ord("9") for t in y[-recipe.digits:])
+            prompt = bytes(x[1:-recipe.digits + 1].tolist())
+            kinds.add("passkey" if prompt.endswith(b"The pass key is ") else "multi-needle")
+            assert bytes(y[-recipe.digits:].tolist()) in prompt  # the key is in the haystack
+    assert kinds == {"corpus", "passkey", "multi-needle"}
+    for a, b in zip(next(batches(4)), (inputs, targets, weights)):  # batch k depends on (seed, k) alone
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The fast recipe trained once through `checkpoint` (the cache's first call)."""
+    out = tmp_path_factory.mktemp("longctx") / "run"
+    return out, longctx.checkpoint(out, fast=True, log=lambda _: None)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_checkpoint_is_built_once_then_restored(built, monkeypatch):
+    out, (cfg, params, report) = built
+    assert cfg == preset(FAST.preset)
+    assert json.loads((out / longctx.RECIPE).read_text()) == json.loads(json.dumps(dataclasses.asdict(FAST)))
+    assert report == json.loads((out / longctx.ACCURACY).read_text())
+    assert set(report["passkey"]) == {str(n) for n in FAST.eval_lengths}
+    for row in report["passkey"].values():
+        assert list(row) == [f"{d:g}" for d in FAST.eval_depths] and all(0 <= v <= 1 for v in row.values())
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the cached checkpoint was trained again")
+
+    monkeypatch.setattr(longctx, "train", no_training)
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    cfg2, params2, report2 = longctx.checkpoint(out, fast=True)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == files
+    assert cfg2 == cfg and report2 == report
+    for a, b in zip(_leaves(params), _leaves(params2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_refuses_a_directory_of_another_recipe(built):
+    out, _ = built
+    longer = tuple((steps + 1, rows, length) for steps, rows, length in FAST.stages)
+    with pytest.raises(ValueError, match="fields stages differ"):
+        longctx.checkpoint(out, recipe=dataclasses.replace(FAST, stages=longer))
+
+
+def test_checkpoint_resumes_a_partial_run_bit_identically(built, tmp_path):
+    """An interrupted run (2 of 3 steps here) is finished by the next `checkpoint` call, as if never stopped."""
+    _, (cfg, params, report) = built
+    train(cfg, FAST.train_config(), longctx.mixed_batches(FAST, load_corpus().train), tmp_path, log=lambda _: None,
+          until=2)
+    _, resumed, report2 = longctx.checkpoint(tmp_path, fast=True, log=lambda _: None)
+    for a, b in zip(_leaves(params), _leaves(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert report2["passkey"] == report["passkey"]
+
+
+def test_recipe_cli_writes_the_accuracy_json(built, tmp_path, monkeypatch, capsys):
+    """`CSA2_FAST=1 python -m train --recipe longctx --out DIR` (in process: the compiled programs are shared)."""
+    _, (_, _, report) = built
+    monkeypatch.setenv(longctx.FAST_ENV, "1")
+    assert cli.main(["--recipe", "longctx", "--out", str(tmp_path), "--quiet"]) == 0
+    written = json.loads((tmp_path / longctx.ACCURACY).read_text())
+    assert written["passkey"] == report["passkey"] and written["steps"] == FAST.steps
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == f"passkey_accuracy: {written['mean']:.4f}"
+    assert "teacher-forced" in out

@@ -1,0 +1,261 @@
+"""The long-context research checkpoint: a small CSA2 model trained on pass-key retrieval from long contexts.
+
+`python -m train --recipe longctx [--out runs/longctx]` trains it in one command, and `checkpoint()`
+returns it from Python, training it only when no finished run is there, so notebooks and CI build it
+once (`runs/` is git-ignored). `CSA2_FAST=1` (or `fast=True`) runs the `FAST` recipe instead: a few
+short steps into `runs/longctx-fast`, for CI; that checkpoint is not expected to retrieve.
+
+The model is the `demo` preset: a 32-token sliding window and top-k 32 (SPEC §3), so a needle more
+than a window back is reachable only through the Global KV that the compressors write (SPEC §4) and
+the entries the indexer selects (SPEC §5): retrieval exercises CSA2's compressed sparse attention. It
+trains with the SPEC §8 fake-quant numerics (QAT from step 0) and the indexer KL of SPEC §13, through
+the ordinary loop (`train.loop.train`: checkpoints, resume, metrics.jsonl). Its rows mix the two data
+sources of `train.data`: corpus windows, and pass-key or multi-needle examples that fill their row,
+whose answer digits weigh more in the loss; a curriculum of stages goes from many short rows to a few
+long ones (one compiled shape per stage).
+
+At the end it scores pass keys by context length and depth, teacher-forced (argmax at every answer
+position, given the prompt and the earlier digits) with the SPEC §8 numerics inference stores: a key
+counts when every digit is right, which is exactly greedy decoding producing it, since the forward
+pass equals prefill + decode (`tests/csa2/test_model.py`); the share of digits right is kept too. The
+tables go to `OUT/accuracy.json`, whose presence marks the run finished.
+
+Status (README, "The long-context research checkpoint"): the default recipe does not retrieve yet; its
+accuracy table is at chance. The notebooks use it as a trained long-context model all the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import time
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2 import checkpoint as ckpt
+from csa2 import model
+from csa2.config import ModelConfig, preset
+from train.data import load_corpus, multi_needle_example, passkey_example
+from train.loop import train
+from train.step import TrainConfig
+
+FAST_ENV = "CSA2_FAST"  # CSA2_FAST=1: the FAST recipe into FAST_DIR
+DEFAULT_DIR = "runs/longctx"
+FAST_DIR = "runs/longctx-fast"
+ACCURACY = "accuracy.json"
+RECIPE = "recipe.json"
+_EVAL_STREAM = 1  # eval examples draw from rng streams [_EVAL_STREAM, seed, length, sample]; training from [seed, step]
+
+
+@dataclasses.dataclass(frozen=True)
+class LongCtxRecipe:
+    """Everything the long-context checkpoint depends on (the run directory stores it in `recipe.json`)."""
+
+    preset: str = "demo"  # window 32 ≪ the contexts: retrieval must go through the Global KV and top-k
+    # The curriculum, short rows first: (steps, rows per batch, row length) per stage, one compiled shape each.
+    # A retrieval row is one example filling the row; short rows carry many examples per token, long ones the range.
+    stages: tuple[tuple[int, int, int], ...] = ((200, 16, 128), (40, 4, 512), (15, 2, 2048))
+    corpus_share: float = 0.25  # probability that a row is a window of the corpus instead (plain LM loss)
+    multi_needle: float = 0.25  # probability that a retrieval row holds n_keys named keys, one of them queried
+    n_keys: int = 2  # (a 2-key prompt with five-digit keys needs ≤ 118 tokens: rows of 128 hold it)
+    digits: int = 5  # digits of a pass key (and of each named key)
+    answer_weight: float = 20.0  # loss weight of each answer digit; every other target weighs 1
+    lr: float = 1e-2
+    warmup: int = 20
+    dense_warmup_steps: int = 200  # steps of dense indexer KL first (SPEC §13 warm-up): the first stage
+    index_loss_weight: float = 1.0
+    eval_lengths: tuple[int, ...] = (1024, 2048, 4096)
+    eval_depths: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    eval_samples: int = 4  # pass keys per (length, depth) cell
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.stages or not all(len(st) == 3 and all(isinstance(v, int) and v > 0 for v in st)
+                                      for st in self.stages):
+            raise ValueError(f"LongCtxRecipe.stages={self.stages}: give (steps, rows, row length) triples of "
+                             "positive integers")
+        for name in ("n_keys", "digits", "eval_samples"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LongCtxRecipe.{name}={value!r}: must be an integer ≥ 1")
+        for name in ("corpus_share", "multi_needle"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"LongCtxRecipe.{name}={getattr(self, name)}: must be a probability in [0, 1]")
+        if not self.eval_lengths or not all(isinstance(n, int) and n > 0 for n in self.eval_lengths):
+            raise ValueError(f"LongCtxRecipe.eval_lengths={self.eval_lengths}: give positive prompt lengths")
+        if not self.eval_depths or not all(0.0 <= d <= 1.0 for d in self.eval_depths):
+            raise ValueError(f"LongCtxRecipe.eval_depths={self.eval_depths}: give relative depths in [0, 1]")
+        self.train_config()  # the optimizer fields, checked by TrainConfig
+
+    @property
+    def steps(self) -> int:
+        return sum(st[0] for st in self.stages)
+
+    def stage(self, step: int) -> tuple[int, int]:
+        """(rows, row length) of step `step` (0-based; past the end, the last stage's)."""
+        for steps, rows, length in self.stages:
+            if step < steps:
+                return rows, length
+            step -= steps
+        return self.stages[-1][1:]
+
+    def train_config(self) -> TrainConfig:
+        """The loop's recipe: QAT from step 0 (SPEC §8), the SPEC §13 indexer KL; the batch shape is the last
+        stage's (the recipe's `mixed_batches` choose each step's)."""
+        _, rows, length = self.stages[-1]
+        return TrainConfig(steps=self.steps, batch_size=rows, seq_len=length, lr=self.lr, warmup=self.warmup,
+                           index_loss_weight=self.index_loss_weight, dense_warmup_steps=self.dense_warmup_steps,
+                           qat_from=0, seed=self.seed)
+
+
+RECIPE_DEFAULT = LongCtxRecipe()
+FAST = LongCtxRecipe(stages=((3, 4, 128),), warmup=1, eval_lengths=(200,), eval_depths=(0.1, 0.5, 0.9),
+                     eval_samples=1)
+
+
+def fast_mode(fast: bool | None = None) -> bool:
+    """`fast`, or when None whether the environment sets CSA2_FAST=1."""
+    return os.environ.get(FAST_ENV, "") == "1" if fast is None else fast
+
+
+def mixed_row(recipe: LongCtxRecipe, corpus: np.ndarray, rng: np.random.Generator,
+              length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One training row (inputs, targets, weights [length]): with probability `corpus_share` a corpus window
+    (weights 1), else a retrieval example (`train.data`) and its answer filling the row: a pass key at a uniform
+    depth or, with probability `multi_needle`, `n_keys` named keys at uniform depths; its answer digits' targets
+    weigh `answer_weight`, the others 1."""
+    weights = np.ones(length, np.float32)
+    if rng.random() < recipe.corpus_share:
+        start = int(rng.integers(0, corpus.size - length))
+        row = corpus[start:start + length + 1]
+    else:
+        size = length + 1 - recipe.digits
+        if rng.random() < recipe.multi_needle:
+            prompt, answer = multi_needle_example(rng, size, recipe.n_keys, np.sort(rng.random(recipe.n_keys)),
+                                                  digits=recipe.digits)
+        else:
+            prompt, answer = passkey_example(rng, size, float(rng.random()), digits=recipe.digits)
+        row = np.concatenate([prompt, answer])
+        weights[-recipe.digits:] = recipe.answer_weight
+    return row[:-1].astype(np.int32), row[1:].astype(np.int32), weights
+
+
+def mixed_batches(recipe: LongCtxRecipe, corpus: np.ndarray) -> Callable[[int], Iterator[tuple]]:
+    """The loop's `Batches` function: batch k (`recipe.stage(k)` rows and length) is a pure function of
+    (seed, k), so resuming is bit-identical."""
+    def from_step(start: int) -> Iterator[tuple]:
+        step = start
+        while True:
+            rng = np.random.default_rng([recipe.seed, step])
+            rows, length = recipe.stage(step)
+            yield tuple(np.stack(column) for column in zip(*(mixed_row(recipe, corpus, rng, length)
+                                                             for _ in range(rows))))
+            step += 1
+
+    return from_step
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n", "qat"))
+def _answer_predictions(cfg: ModelConfig, params, tokens: jax.Array, n: int, qat: bool) -> jax.Array:
+    """Greedy predictions [B, n] of the last n targets of `tokens [B, S]` (SPEC §8 numerics with `qat`)."""
+    logits, _ = model.forward(cfg, params, tokens, qat=qat)
+    return jnp.argmax(logits[:, -n:], axis=-1)
+
+
+def retrieval_scores(cfg: ModelConfig, params, recipe: LongCtxRecipe, *,
+                     qat: bool = True) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """(exact, digits): {length: {depth: score}} over `recipe.eval_lengths × eval_depths`, each cell
+    `eval_samples` pass keys read teacher-forced (argmax at every answer position). `exact`: the share of keys
+    with every digit right (≡ greedy decoding retrieves the key); `digits`: the share of digits right (chance
+    0.1). `qat`: the SPEC §8 numerics inference runs (False: the float model, an ablation)."""
+    exact, digits = {}, {}
+    for length in recipe.eval_lengths:
+        keys = np.zeros(len(recipe.eval_depths))
+        right = np.zeros(len(recipe.eval_depths))
+        for sample in range(recipe.eval_samples):
+            rng = np.random.default_rng([_EVAL_STREAM, recipe.seed, length, sample])
+            pairs = [passkey_example(rng, length, depth, digits=recipe.digits) for depth in recipe.eval_depths]
+            tokens = np.stack([np.concatenate([p, a[:-1]]) for p, a in pairs])
+            answers = np.stack([a for _, a in pairs])
+            hit = np.asarray(_answer_predictions(cfg, params, jnp.asarray(tokens), recipe.digits, qat)) == answers
+            keys += np.all(hit, axis=1)
+            right += np.mean(hit, axis=1)
+        exact[str(length)] = {f"{d:g}": float(k / recipe.eval_samples) for d, k in zip(recipe.eval_depths, keys)}
+        digits[str(length)] = {f"{d:g}": float(r / recipe.eval_samples) for d, r in zip(recipe.eval_depths, right)}
+    return exact, digits
+
+
+def passkey_accuracy(cfg: ModelConfig, params, recipe: LongCtxRecipe, *, qat: bool = True) -> dict[str, dict[str, float]]:
+    """{length: {depth: share of pass keys retrieved}}: the `exact` table of `retrieval_scores`."""
+    return retrieval_scores(cfg, params, recipe, qat=qat)[0]
+
+
+def format_table(table: dict[str, dict[str, float]]) -> str:
+    """The accuracy table as text: one row per context length, one column per depth."""
+    depths = next(iter(table.values())).keys()
+    lines = [f"{'length':>8} " + " ".join(f"{d:>5}" for d in depths) + "   mean"]
+    for length, row in table.items():
+        lines.append(f"{length:>8} " + " ".join(f"{v:>5.2f}" for v in row.values()) + f"  {np.mean(list(row.values())):.2f}")
+    return "\n".join(lines)
+
+
+def run(recipe: LongCtxRecipe, out: str | pathlib.Path, *,
+        log: Callable[[str], None] = print) -> tuple[ModelConfig, object, dict]:
+    """Train `recipe` into `out` (resuming a partial run there), measure pass-key accuracy, write accuracy.json;
+    returns (config, params, report)."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RECIPE).write_text(json.dumps(dataclasses.asdict(recipe), indent=1) + "\n")
+    cfg = preset(recipe.preset)
+    t0 = time.perf_counter()
+    state = train(cfg, recipe.train_config(), mixed_batches(recipe, load_corpus().train), out,
+                  resume=ckpt.latest_step(out) is not None, log=log, save_every=100)
+    train_s = time.perf_counter() - t0
+    exact, digits = retrieval_scores(cfg, state.params, recipe)
+    report = {"preset": recipe.preset, "steps": recipe.steps, "train_seconds": round(train_s, 1),
+              "eval_seconds": round(time.perf_counter() - t0 - train_s, 1),
+              "metric": "pass keys read teacher-forced (argmax at every answer digit), SPEC §8 numerics, "
+                        f"{recipe.eval_samples} keys per cell; passkey: every digit right (= greedy decoding "
+                        "retrieves the key), digits: share of digits right (chance 0.1)",
+              "passkey": exact, "digits": digits,
+              "mean": float(np.mean([v for row in exact.values() for v in row.values()]))}
+    (out / ACCURACY).write_text(json.dumps(report, indent=1) + "\n")
+    return cfg, state.params, report
+
+
+def _check_recipe(out: pathlib.Path, recipe: LongCtxRecipe) -> None:
+    """A run directory may only hold runs of `recipe`: otherwise ValueError naming the differing fields."""
+    path = out / RECIPE
+    if not path.exists():
+        return
+    stored = json.loads(path.read_text())
+    wanted = json.loads(json.dumps(dataclasses.asdict(recipe)))
+    differ = sorted(k for k in wanted.keys() | stored.keys() if stored.get(k) != wanted.get(k))
+    if differ:
+        raise ValueError(f"{out}: holds a run of another recipe (fields {', '.join(differ)} differ); "
+                         f"delete {out} or pass another path")
+
+
+def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = None,
+               recipe: LongCtxRecipe | None = None,
+               log: Callable[[str], None] = print) -> tuple[ModelConfig, object, dict]:
+    """(config, params, accuracy report) of the long-context checkpoint, cached in `path`.
+
+    A finished run in `path` (its accuracy.json written) is restored without training; otherwise the
+    recipe trains there first, resuming a partial run. `fast` (default: CSA2_FAST=1) selects `FAST`
+    and `runs/longctx-fast`; `path` defaults to `runs/longctx`; `recipe` overrides both defaults' recipe.
+    """
+    fast = fast_mode(fast)
+    recipe = recipe or (FAST if fast else RECIPE_DEFAULT)
+    out = pathlib.Path(path or (FAST_DIR if fast else DEFAULT_DIR))
+    _check_recipe(out, recipe)
+    if not (out / ACCURACY).exists():
+        return run(recipe, out, log=log)
+    cfg, params = ckpt.restore_params(out)
+    return cfg, params, json.loads((out / ACCURACY).read_text())
