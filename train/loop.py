@@ -103,7 +103,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, data: np.ndarray | Batches, out: st
     tokens = 0  # trained since the first (compiling) step
     for step in range(first, last):
         inputs, targets, weights = next(stream)
-        state, metrics = train_step(cfg, tc, state, jnp.asarray(inputs), jnp.asarray(targets),
+        state, metrics = train_step(cfg, tc.for_step(), state, jnp.asarray(inputs), jnp.asarray(targets),
                                     None if weights is None else jnp.asarray(weights),
                                     dense=step < tc.dense_warmup_steps, qat=tc.qat(step))
         metrics = {k: float(v) for k, v in metrics.items()}

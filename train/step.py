@@ -59,6 +59,11 @@ class TrainConfig:
         """Whether step `step` (0-based) runs the SPEC §8 fake-quant forward."""
         return self.qat_from is not None and step >= self.qat_from
 
+    def for_step(self) -> TrainConfig:
+        """The config `train_step` compiles against: `qat_from` is the loop's schedule (the step takes `qat` per
+        call), so configs that differ only in it share their compiled steps."""
+        return dataclasses.replace(self, qat_from=0)
+
     @property
     def replay(self) -> ReplayPolicy:
         return EXACT if self.replay_window is None else ReplayPolicy(window=self.replay_window)

@@ -23,6 +23,8 @@ def test_qat_is_the_default_numerics():
     assert TrainConfig().qat_from == 0
     assert [TrainConfig(steps=10, qat_from=4).qat(s) for s in (3, 4, 9)] == [False, True, True]
     assert not TrainConfig(qat_from=None).qat(0)
+    # the step compiles against `for_step()`: float, QAT and float → QAT runs share their compiled steps
+    assert len({TrainConfig(qat_from=q).for_step() for q in (None, 0, 450)}) == 1
     flags = lambda *argv: cli.train_config(cli.parse(["--out", "x", *argv]))  # noqa: E731
     assert flags().qat_from == 0
     assert flags("--float").qat_from is None
