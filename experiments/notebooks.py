@@ -12,6 +12,8 @@ import time
 import nbformat
 from nbclient import NotebookClient
 
+from train.longctx import FAST_ENV
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
@@ -31,15 +33,15 @@ def execute(path: pathlib.Path, *, fast: bool, timeout: int = 3600) -> nbformat.
     """Run every cell of `path` in a fresh kernel started in the repository root (so `runs/` is shared) with
     `CSA2_FAST` set from `fast`; raises `nbclient.exceptions.CellExecutionError` on the first failing cell."""
     nb = nbformat.read(path, as_version=4)
-    previous = os.environ.get("CSA2_FAST")
-    os.environ["CSA2_FAST"] = "1" if fast else "0"  # the kernel inherits the environment
+    previous = os.environ.get(FAST_ENV)
+    os.environ[FAST_ENV] = "1" if fast else "0"  # the kernel inherits the environment
     try:
         NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     finally:
         if previous is None:
-            os.environ.pop("CSA2_FAST")
+            os.environ.pop(FAST_ENV)
         else:
-            os.environ["CSA2_FAST"] = previous
+            os.environ[FAST_ENV] = previous
     return nb
 
 
