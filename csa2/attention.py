@@ -18,6 +18,7 @@ from flax import nnx
 
 from csa2 import cache
 from csa2 import index_loss as index_loss_lib
+from csa2 import probe as probe_lib
 from csa2.chunk import Chunk
 from csa2.compressor import Compressor
 from csa2.config import ModelConfig
@@ -27,7 +28,7 @@ from csa2.norm import rms_norm
 from csa2.params import linear, normal, ones, zeros
 from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import SourceKV
-from pallas_kernels import ops, reference
+from pallas_kernels import ops
 from pallas_kernels.formats import MAIN
 from pallas_kernels.stored import Stored, concat_rows
 
@@ -114,15 +115,17 @@ def attention(
     *,
     quantize: bool = True,
     index_loss: str | None = None,
-) -> tuple[Array, Stored, Bus, Array]:
+    probe: int | None = None,
+) -> tuple[Array, Stored, Bus, Array, probe_lib.Probe | None]:
     """One sublayer on a chunk. x [B, S, d] is the normed collapsed residual.
 
     `ring` is this layer's SWA ring `[B, slots, ·]`; `source` the group's Global KV, already
     holding the entries this chunk completes (a Full layer's caller runs `compressor.compress`
     first, on this chunk or, under replay, on every prompt position). Returns the output
-    [B, S, d], the ring with this chunk's entries written, the bus and the indexer KL loss of SPEC §13
-    (an index source with `index_loss` "sparse" or "dense"; 0 otherwise). `quantize=False`
-    (float cache only) skips every fake-quant.
+    [B, S, d], the ring with this chunk's entries written, the bus, the indexer KL loss of SPEC §13
+    (an index source with `index_loss` "sparse" or "dense"; 0 otherwise) and, with `probe` = an entry
+    width, this layer's `csa2.probe.Probe` (else None). `quantize=False` (float cache only) skips every
+    fake-quant.
     """
     b, s, _ = x.shape
     chex.assert_shape(x, (b, s, cfg.hidden_size))
@@ -141,6 +144,7 @@ def attention(
     window_idx = jnp.where(pos >= jnp.maximum(chunk.floor, 0)[:, None, None], ids, -1)  # [B, S, W]
 
     # Global entries selected by this group's indexer (SPEC §5).
+    q_index = w_index = None
     if spec.role in ("full", "reindex"):
         # The indexer only feeds top-k and its own loss: detach its inputs from the main graph (SPEC §13).
         q_index, w_index = index_queries(cfg, params["indexer"], jax.lax.stop_gradient(x),
@@ -163,10 +167,14 @@ def attention(
     if index_loss is not None and spec.role in ("full", "reindex"):
         kl = _index_loss(cfg, spec, index_loss, params["sink"], q, window, window_idx, source, bus.topk, q_index,
                          w_index, positions, valid_q)
+    record = None
+    if probe is not None:
+        record = probe_lib.record(cfg, spec, probe, q, params["sink"], window, window_idx, source, bus, q_index,
+                                  w_index, positions)
     out = output(cfg, params, o, positions, freqs)
 
     slot, keep = cache.ring_slots(positions, valid_q, chunk.end, ring.rows)
-    return out, ring.write(slot, swa, keep), bus, kl
+    return out, ring.write(slot, swa, keep), bus, kl, record
 
 
 def _index_loss(cfg: ModelConfig, spec: LayerSpec, mode: str, sink: Array, q: Array, window: Stored,
@@ -176,17 +184,13 @@ def _index_loss(cfg: ModelConfig, spec: LayerSpec, mode: str, sink: Array, q: Ar
     every visible ("dense", the warm-up recipe) set of Global entries."""
     if mode not in index_loss_lib.MODES:
         raise ValueError(f"index_loss={mode!r}: use one of {index_loss_lib.MODES} or None")
-    window_keys, window_valid = reference.gather_entries(window, window_idx)  # [B, S, W, D]
     count = visible_entries(positions, spec.ratio)  # [B, S]
     if mode == "sparse":
         ids, valid = topk, topk >= 0  # [B, S, K]
         scores = ops.indexer_scores_gathered(q_index, w_index, source.ikey, source.rows(ids), count + source.offset,
                                              impl=cfg.kernel_impl)
     else:
-        ids = jnp.broadcast_to(jnp.arange(source.entries, dtype=jnp.int32), topk.shape[:2] + (source.entries,))
-        valid = ids < count[..., None]  # [B, S, N]
+        ids, valid = probe_lib.dense_ids(source, positions, spec.ratio)  # [B, S, N]
         scores = ops.indexer_scores(q_index, w_index, source.ikeys(), count, impl=cfg.kernel_impl)
-    main_keys, _ = reference.gather_entries(source.kv, source.rows(ids))  # [B, S, K|N, D]
-    probs = reference.sink_probabilities(q, jnp.concatenate([window_keys, main_keys], axis=2),
-                                         jnp.concatenate([window_valid, valid], axis=2), sink)
-    return index_loss_lib.indexer_kl(probs[..., window_keys.shape[2]:], scores, valid, valid_q)
+    _, probs = probe_lib.attention_probs(q, sink, window, window_idx, source.kv, source.rows(ids), valid)
+    return index_loss_lib.indexer_kl(probs, scores, valid, valid_q)

@@ -3,7 +3,7 @@
 The LM loss gives the indexer no gradient through top-k, so each index source learns with the
 DSA auxiliary loss: per query, the target `p` is the main attention probability mass of each
 Global entry in the indexer's set, summed over heads and L1-normalized, and the loss is
-`KL(p ‖ softmax(score))` over the same set. `p` (from `attention.attention_probs`) is a constant
+`KL(p ‖ softmax(score))` over the same set. `p` (from `probe.attention_probs`) is a constant
 (stop-gradient), and the indexer's inputs are detached from the main graph by the callers
 (`attention`, `compressor`), so this loss trains the indexer weights only.
 

@@ -234,7 +234,7 @@ def fork(state: State, rows: Array) -> State:
 # ---------------------------------------------------------------------------------------------
 # Training
 
-def _check_forward(cfg, params, tokens, qat, replay, index_loss, features) -> None:
+def _check_forward(cfg, params, tokens, qat, replay, index_loss, features, probe) -> None:
     boundary.check_config(cfg)
     boundary.check_replay(cfg, replay)
     boundary.check_token_ids(cfg, tokens)
@@ -242,16 +242,21 @@ def _check_forward(cfg, params, tokens, qat, replay, index_loss, features) -> No
         raise ValueError(f"index_loss={index_loss!r}: use one of {index_loss_lib.MODES} or None")
     if features and not cfg.dspark_target_layer_ids:
         raise ValueError("features=True: dspark_target_layer_ids is empty, so there are no target features")
+    if probe and not replay.exact:
+        raise ValueError(f"probe=True with replay={replay}: probes record every layer on every position; "
+                         "use replay=EXACT")
 
 
-@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "index_loss", "features"))
+@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "index_loss", "features", "probe"))
 def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = False, replay: ReplayPolicy = EXACT,
-            index_loss: str | None = None, features: bool = False) -> tuple[Array, dict]:
+            index_loss: str | None = None, features: bool = False, probe: bool = False) -> tuple[Array, dict]:
     """Teacher-forced logits for training: `tokens [B, S]` → logits of the rows that reach the head
     `[B, T, V]` (T = S in exact mode; the decoder tail under `replay`), and aux outputs
     (`load [L, E]` MoE loads for `update_router_bias`, `index_kl [L]` the indexer KL of SPEC §13 per
     layer when `index_loss` is "sparse" or "dense", `rows [B, T]` chunk rows of the logits, and with
-    `features=True` the DSpark target features `[B, T, n_t, d]` of those rows, SPEC §12).
+    `features=True` the DSpark target features `[B, T, n_t, d]` of those rows, SPEC §12, and with
+    `probe=True` every layer's `csa2.probe.Probe` stacked `[L, B, S, ...]`: dense attention mass next to the
+    selections the layer read; exact mode only).
 
     `qat=True` runs the SPEC §8 fake-quant (straight-through) on Main KV, Indexer Q/K and window KV,
     exactly as inference stores them; `qat=False` is the float model.
@@ -261,10 +266,12 @@ def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = F
     state = init_state(cfg, b, -(-s // granule) * granule, "float")
     p = arrays(params)
     out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, index_loss=index_loss,
-                features=features)
+                features=features, probe=probe)
     aux = {"load": out.load, "index_kl": out.index_kl, "rows": out.rows}
     if features:
         aux["features"] = out.features
+    if probe:
+        aux["probe"] = out.probe
     return head_logits(cfg, p, out.X, out.pre), aux
 
 

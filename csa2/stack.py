@@ -31,6 +31,7 @@ from csa2.layout import Group, LayerSpec, kv_address, layer_groups, layer_plan
 from csa2.moe import MoE, moe
 from csa2.norm import rms_norm
 from csa2.params import linear, ones
+from csa2.probe import Probe, entries as probe_entries
 from csa2.replay import DecoderTail, Extend, ReplayPlan, ReplayPolicy, plan as replay_plan
 from csa2.state import State
 
@@ -102,6 +103,16 @@ def split_layers(cfg: ModelConfig, per_layer: Array) -> list[list[Array]]:
 # One layer
 
 @chex.dataclass(frozen=True)
+class Outputs:
+    """What one layer reports besides the flow (stacked along a leading layer axis by the runs): its MoE
+    load [E], its indexer KL (SPEC §13; 0 where not computed) and its probe record (or None)."""
+
+    load: Array
+    kl: Array
+    probe: Probe | None = None
+
+
+@chex.dataclass(frozen=True)
 class Flow:
     """What flows from layer to layer: residual streams X [B, T, n, d], the `pre` handed on [B, T, n]
     (single-pass mHC, SPEC §10), the bus of selections, the request state being written, and (when the
@@ -118,7 +129,8 @@ class Flow:
 class Context:
     """What every layer of a segment shares: the chunk of the rows in the flow, the Engram token window
     of the whole chunk `[B, N−1+S]`, the chunk rows of the flow (`None` = every row), the first position
-    whose Global KV entries the call may write (`None` = any; SPEC §11 encoder replay), the numerics."""
+    whose Global KV entries the call may write (`None` = any; SPEC §11 encoder replay), the numerics,
+    and the entry width of the probes each layer records (`None` = no probes; `csa2.probe`)."""
 
     chunk: Chunk
     history: Array | None
@@ -126,6 +138,7 @@ class Context:
     written_from: Array | None
     quantize: bool
     index_loss: str | None
+    probe: int | None = None
 
 
 def take_rows(x: Array, rows: Array) -> Array:
@@ -150,9 +163,9 @@ def _put_ring(swa, index: Array, ring):
 
 
 def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, index: Array, slot: Array | None,
-          enter: DecoderTail | None = None) -> tuple[Flow, tuple[Array, Array]]:
+          enter: DecoderTail | None = None) -> tuple[Flow, Outputs]:
     """One layer (`index` and KV `slot` may be traced) on the rows of `flow`; returns the flow and
-    (MoE load [E], indexer KL). A Full layer compresses its own input first; at the replay split
+    its `Outputs`. A Full layer compresses its own input first; at the replay split
     (`enter`) its compressor still sees every row and the rest of the layer continues on the tail."""
     X, state, chunk, bus = flow.X, flow.state, ctx.chunk, flow.bus
     if spec.has_engram:
@@ -179,14 +192,14 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
         X, x, pre, post, comb, bus, features = _take_tail((X, x, pre, post, comb, bus, features), enter)
         chunk = enter.chunk
 
-    out, ring, bus, kl = attention(cfg, spec, p["attn"], x, chunk, _ring(state.swa, index), source, bus,
-                                   quantize=ctx.quantize, index_loss=ctx.index_loss)
+    out, ring, bus, kl, probe = attention(cfg, spec, p["attn"], x, chunk, _ring(state.swa, index), source, bus,
+                                          quantize=ctx.quantize, index_loss=ctx.index_loss, probe=ctx.probe)
     state = state.replace(swa=_put_ring(state.swa, index, ring))
     X = mhc.update(X, out, post, comb)
     x, ffn_pre, post, comb = site_input(cfg, p["ffn_hc"], p["ffn_norm"], X, pre)
     y, load = moe(cfg, p["moe"], x)
     X = mhc.update(X, y, post, comb)
-    return Flow(X=X, pre=ffn_pre, bus=bus, state=state, features=features), (load, kl)
+    return Flow(X=X, pre=ffn_pre, bus=bus, state=state, features=features), Outputs(load=load, kl=kl, probe=probe)
 
 
 def _collect(cfg: ModelConfig, features: Array, X: Array, index: Array) -> Array:
@@ -271,7 +284,7 @@ def _scan(fn, flow: Flow, xs, n: int):
 
 
 def _run(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, indices: Array,
-         slot: Array | None) -> tuple[Flow, tuple[Array, Array]]:
+         slot: Array | None) -> tuple[Flow, Outputs]:
     """Layers of one structure, params stacked `[n, ...]`, at layer `indices [n]`: one scanned body."""
     def body(flow, xs):
         p_l, index = xs
@@ -279,8 +292,8 @@ def _run(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, i
     return _scan(body, flow, (p, indices), indices.shape[0])
 
 
-def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Context) -> tuple[Flow, tuple[Array, Array]]:
-    """One unit; returns the flow and the per-layer (load [n, E], KL [n]) in layer order."""
+def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Context) -> tuple[Flow, Outputs]:
+    """One unit; returns the flow and the `Outputs` of its n layers stacked `[n, ...]` in layer order."""
     group = layer_groups(cfg)[unit.group]
     p_group = params["groups"][unit.group]
     iterations = range(unit.i0, unit.i1)
@@ -313,13 +326,12 @@ def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Contex
 
 
 def _enter(cfg: ModelConfig, params: dict, split: int, flow: Flow, ctx: Context,
-           tail: DecoderTail) -> tuple[Flow, tuple[Array, Array]]:
+           tail: DecoderTail) -> tuple[Flow, Outputs]:
     """The split layer: its compressor on every row, the rest of it on the tail rows."""
     spec = layer_plan(cfg)[split]
     slot = None if spec.kv_source is None else jnp.int32(kv_address(cfg, spec.kv_source)[1])
-    flow, (load, kl) = layer(cfg, spec, layer_params(cfg, params, split), flow, ctx, jnp.int32(split), slot,
-                             enter=tail)
-    return flow, (load[None], kl[None])
+    flow, y = layer(cfg, spec, layer_params(cfg, params, split), flow, ctx, jnp.int32(split), slot, enter=tail)
+    return flow, jax.tree.map(lambda a: a[None], y)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +348,7 @@ class StackOut:
     index_kl: Array  # [L] indexer KL loss per layer (SPEC §13; 0 where not computed)
     work: Array  # int32: token×layer count processed (instrumentation of SPEC §11)
     features: Array | None  # [B, T, n_t, d] DSpark target features of the rows in X (when collected)
+    probe: Probe | None  # [L, B, S, ...] every layer's probe record (exact mode, when asked; `csa2.probe`)
 
 
 def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Array:
@@ -348,10 +361,11 @@ def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Arr
 
 def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: Array, replay: ReplayPolicy, *,
           quantize: bool, extend: Extend | None = None, index_loss: str | None = None,
-          features: bool = False) -> StackOut:
+          features: bool = False, probe: bool = False) -> StackOut:
     """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real) of
     `extend` (None: the chunk is the whole extend). `features`: also collect the DSpark target features
-    of the rows that reach the head (SPEC §12).
+    of the rows that reach the head (SPEC §12). `probe`: every layer records its `csa2.probe.Probe`
+    (exact mode only: every layer sees every row).
 
     Three segments: before the split every row runs with no floor; at the split the flow enters the
     decoder tail (bounded replay only; inside the split layer when it compresses, before it otherwise);
@@ -370,10 +384,11 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
                 features=jnp.zeros((b, s, len(cfg.dspark_target_layer_ids), cfg.hidden_size), jnp.float32)
                 if features else None)
     before, at, after = segments(cfg, plan.split, plan.cut)
+    width = probe_entries(state) if probe else None
     everyone = Context(chunk=chunk, history=history, rows=None, written_from=written_from, quantize=quantize,
-                       index_loss=index_loss)
+                       index_loss=index_loss, probe=width)
     tail = Context(chunk=plan.tail.chunk, history=history, rows=plan.tail.rows if plan.cut else None,
-                   written_from=written_from, quantize=quantize, index_loss=index_loss)
+                   written_from=written_from, quantize=quantize, index_loss=index_loss, probe=width)
 
     groups = layer_groups(cfg)
     ys, work = [], jnp.zeros((), jnp.int32)
@@ -392,7 +407,7 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
         flow, y = run_unit(cfg, params, unit, flow, tail)
         ys.append(y)
         work += unit.layers(groups) * jnp.sum(plan.tail.chunk.n_valid)
-    load, kl = (jnp.concatenate(a) for a in zip(*ys))
+    y = jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
 
     state = flow.state
     tokens_ring = state.tokens
@@ -400,7 +415,7 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
         tokens_ring = cache.ring_scatter(tokens_ring, chunk.positions(s), tokens, chunk.valid(s), chunk.end)
     state = state.replace(length=chunk.end, floor=plan.tail.chunk.floor, tokens=tokens_ring)
     return StackOut(X=flow.X, pre=flow.pre, rows=plan.tail.rows, n_rows=plan.tail.chunk.n_valid, state=state,
-                    load=load, index_kl=kl, work=work, features=flow.features)
+                    load=y.load, index_kl=y.kl, work=work, features=flow.features, probe=y.probe)
 
 
 def logits(cfg: ModelConfig, params: dict, X: Array, pre: Array) -> Array:

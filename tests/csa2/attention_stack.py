@@ -47,7 +47,7 @@ def stack_step(cfg, params, state, h, start, n_valid, floor=None, *, quantize=Tr
                                         quantize=quantize)
                 gkv[k] = source.stack()
                 tails[k] = jax.tree.map(lambda a, t: a.at[:, slot].set(t), tails[k], tail)
-        out, ring, bus, _ = attention(cfg, spec, p, x, chunk, ring, source, bus, quantize=quantize)
+        out, ring, bus, _, _ = attention(cfg, spec, p, x, chunk, ring, source, bus, quantize=quantize)
         swa = jax.tree.map(lambda a, r: a.at[:, i].set(r), swa, ring)
         h = h + out
         outs.append(out)

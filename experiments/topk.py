@@ -1,0 +1,198 @@
+"""Top-K under the microscope (SPEC §5): how much of the attention that matters each layer's selection finds.
+
+`probe` runs the model once (`csa2.model.forward(..., probe=True)`, SPEC §8 numerics) and returns every
+layer's record (`csa2.probe.Probe`): the dense attention mass of each Global entry next to what the layer
+read. The measures below are host-side arithmetic on those records:
+
+- recall(set) = Σ_{e ∈ set} mass_e / Σ_e mass_e: the share of the Global attention mass the set captures;
+- oracle: the `index_topk` entries of largest mass, the best any selection of that size reaches;
+- pool recall: recall of the candidate pool; inside-pool recall: recall(top-k) / recall(pool);
+- for a Reuse layer, the shared top-k (chosen by its index source's indexer) against its own mass.
+
+Only queries where selection matters count: more visible entries than `index_topk` (below that every
+selection holds every visible entry and its recall is 1 by construction; a sweep uses its largest
+`index_topk` for every point, so all points count the same queries), and some Global mass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2 import model
+from csa2.config import ModelConfig
+from csa2.layout import layer_plan
+from csa2.probe import Probe
+
+
+def probe(cfg: ModelConfig, params, tokens) -> Probe:
+    """Every layer's probe record for prompts `tokens [B, S]`, as host arrays `[L, B, S, ·]`."""
+    _, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, probe=True)
+    return jax.tree.map(np.asarray, aux["probe"])
+
+
+def selected(ids: np.ndarray, n: int) -> np.ndarray:
+    """The valid ids `[..., K]` (−1 = none) as a mask `[..., n]`."""
+    ids = np.asarray(ids)
+    mask = np.zeros((*ids.shape[:-1], n), bool)
+    lead = np.indices(ids.shape[:-1])
+    for j in range(ids.shape[-1]):
+        np.logical_or.at(mask, (*lead, np.maximum(ids[..., j], 0)), ids[..., j] >= 0)
+    return mask
+
+
+def captured(mass: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Σ of `mass [..., N]` over the valid ids `[..., K]` (each id counted once)."""
+    return np.sum(np.where(selected(ids, mass.shape[-1]), mass, 0.0), axis=-1)
+
+
+def recall(mass: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Share of the total mass `[..., N]` that `ids [..., K]` captures; NaN where there is no mass."""
+    total = np.sum(mass, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, captured(mass, ids) / total, np.nan)
+
+
+def oracle(mass: np.ndarray, k: int) -> np.ndarray:
+    """The `k` entries of largest mass, ascending, −1 where fewer than k carry mass."""
+    order = np.argsort(-mass, axis=-1, kind="stable")[..., :k]
+    top = np.take_along_axis(mass, order, axis=-1)
+    ids = np.sort(np.where(top > 0, order, np.iinfo(np.int32).max), axis=-1)
+    ids = np.where(ids == np.iinfo(np.int32).max, -1, ids)
+    return np.pad(ids, [(0, 0)] * (ids.ndim - 1) + [(0, k - ids.shape[-1])], constant_values=-1).astype(np.int32)
+
+
+def overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a ∩ b| / |b| per query over the valid ids of `[..., K]` selections; NaN where b is empty."""
+    a, b = np.asarray(a), np.asarray(b)
+    hit = np.any((b[..., :, None] == a[..., None, :]) & (b[..., :, None] >= 0), axis=-1)
+    size = np.sum(b >= 0, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(size > 0, np.sum(hit, axis=-1) / size, np.nan)
+
+
+def counted(cfg: ModelConfig, layer: int, mass: np.ndarray, min_visible: int | None = None) -> np.ndarray:
+    """The queries `[B, S]` of `layer` that count: more visible entries than `min_visible` (default
+    `index_topk`), and some Global mass."""
+    ratio = layer_plan(cfg)[layer].ratio
+    t = np.arange(mass.shape[-2])
+    visible = (t + 1) // ratio if ratio else np.zeros_like(t)
+    bound = cfg.index_topk if min_visible is None else min_visible
+    return (visible > bound)[None, :] & (np.sum(mass, axis=-1) > 0)
+
+
+def _mean(x: np.ndarray, where: np.ndarray) -> float:
+    return float(np.mean(x[where])) if np.any(where) else float("nan")
+
+
+def index_source(cfg: ModelConfig, layer: int) -> int | None:
+    """The layer whose top-k `layer` reads: itself on index sources, `max(index_source ≤ layer)` on Reuse layers."""
+    sources = [s for s in cfg.index_source_layer_ids if s <= layer]
+    return max(sources) if sources and layer_plan(cfg)[layer].role != "swa" else None
+
+
+def layer_table(cfg: ModelConfig, rec: Probe, min_visible: int | None = None) -> list[dict]:
+    """Per layer reading Global KV: role, its top-k source, queries counted and the mean over them of
+    `recall` (what it read), `oracle` (best K-subset), `overlap` (share of the oracle's entries it read),
+    `scan` (its own indexer over every visible entry; index sources), `pool` and `inside_pool` (layers
+    that read a candidate pool's selection: Reindex layers and their Reuse layers)."""
+    rows = []
+    for layer, spec in enumerate(layer_plan(cfg)):
+        if spec.role == "swa":
+            continue
+        mass, topk = rec.mass[layer], rec.topk[layer]
+        where = counted(cfg, layer, mass, min_visible)
+        best = oracle(mass, cfg.index_topk)
+        r = recall(mass, topk)
+        row = {"layer": layer, "role": spec.role, "ratio": spec.ratio, "topk_from": index_source(cfg, layer),
+               "queries": int(np.sum(where)), "recall": _mean(r, where), "oracle": _mean(recall(mass, best), where),
+               "overlap": _mean(overlap(topk, best), where), "scan": float("nan"), "pool": float("nan"),
+               "inside_pool": float("nan")}
+        if spec.role in ("full", "reindex"):
+            row["scan"] = _mean(recall(mass, rec.scan[layer]), where)
+        source = row["topk_from"]
+        if source is not None and layer_plan(cfg)[source].uses_candidates:
+            pool = recall(mass, rec.pool[layer])
+            row["pool"] = _mean(pool, where)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                row["inside_pool"] = _mean(np.where(pool > 0, r / pool, np.nan), where & (pool > 0))
+        rows.append(row)
+    return rows
+
+
+def by_role(rows: list[dict]) -> dict[str, dict]:
+    """`layer_table` rows averaged per role (weighted by queries counted)."""
+    out = {}
+    for role in dict.fromkeys(r["role"] for r in rows):
+        sel = [r for r in rows if r["role"] == role]
+        w = np.array([r["queries"] for r in sel], float)
+        out[role] = {"layers": [r["layer"] for r in sel], "queries": int(w.sum())}
+        for key in ("recall", "oracle", "overlap", "scan", "pool", "inside_pool"):
+            v = np.array([r[key] for r in sel], float)
+            ok = ~np.isnan(v) & (w > 0)
+            out[role][key] = float(np.average(v[ok], weights=w[ok])) if ok.any() else float("nan")
+    return out
+
+
+def recall_by_position(cfg: ModelConfig, rec: Probe, edges) -> dict[int, dict[str, np.ndarray]]:
+    """Per layer reading Global KV: mean `recall` of what it read and of the `oracle`, over the counted queries
+    whose position lies in each bin `[edges[i], edges[i+1])` (NaN for an empty bin): how selection holds up
+    as the context grows."""
+    edges = np.asarray(edges)
+    out = {}
+    for layer, spec in enumerate(layer_plan(cfg)):
+        if spec.role == "swa":
+            continue
+        mass = rec.mass[layer]
+        where = counted(cfg, layer, mass)
+        pos = np.broadcast_to(np.arange(mass.shape[-2]), where.shape)
+        got, best = recall(mass, rec.topk[layer]), recall(mass, oracle(mass, cfg.index_topk))
+        bins = [where & (pos >= lo) & (pos < hi) for lo, hi in zip(edges[:-1], edges[1:])]
+        out[layer] = {"recall": np.array([_mean(got, b) for b in bins]),
+                      "oracle": np.array([_mean(best, b) for b in bins])}
+    return out
+
+
+def distance(cfg: ModelConfig, layer: int, width: int, s: int) -> np.ndarray:
+    """Token distance `[S, N]` from each query position to the last token of each entry of `layer`'s group
+    (entry i of a ratio-r source covers tokens [i·r, (i+1)·r))."""
+    ratio = layer_plan(cfg)[layer].ratio
+    return np.arange(s)[:, None] - ((np.arange(width) + 1) * ratio - 1)[None, :]
+
+
+def misses_by_distance(cfg: ModelConfig, rec: Probe, edges) -> dict[int, dict[str, np.ndarray]]:
+    """Per layer reading Global KV: the Global attention mass and the part of it the layer's top-k missed, by
+    token distance (bins `[edges[i], edges[i+1])`), each a share of the layer's total mass over the counted
+    queries: where attention goes and where selection loses it."""
+    edges = np.asarray(edges)
+    out = {}
+    for layer, spec in enumerate(layer_plan(cfg)):
+        if spec.role == "swa":
+            continue
+        mass, topk = rec.mass[layer], rec.topk[layer]
+        where = counted(cfg, layer, mass)
+        read = selected(topk, mass.shape[-1])
+        dist = np.broadcast_to(distance(cfg, layer, mass.shape[-1], mass.shape[-2]), mass.shape)
+        total = np.sum(mass[where])
+        bins = np.digitize(dist, edges) - 1  # bin i ⇔ edges[i] ≤ d < edges[i+1]
+        inside = (bins >= 0) & (bins < len(edges) - 1) & where[..., None]
+        at = np.bincount(bins[inside], weights=mass[inside], minlength=len(edges) - 1)
+        missed = np.bincount(bins[inside & ~read], weights=mass[inside & ~read], minlength=len(edges) - 1)
+        out[layer] = {"mass": at / max(total, 1e-30), "missed": missed / max(total, 1e-30)}
+    return out
+
+
+def sweep(cfg: ModelConfig, params, tokens, field: str, values) -> list[dict]:
+    """`layer_table` averaged `by_role` for the model run with `cfg.<field>` = each value (`index_topk`,
+    `candidate_block_size`, `candidate_topk_blocks`: no parameter depends on them, so the trained weights
+    serve every point; each point is a real run of the model at that setting)."""
+    if field not in {f.name for f in dataclasses.fields(cfg)}:
+        raise ValueError(f"sweep: field={field!r} is not a ModelConfig field; sweep index_topk, "
+                         "candidate_block_size or candidate_topk_blocks")
+    configs = [cfg.replace(**{field: value}) for value in values]
+    bound = max(c.index_topk for c in configs)
+    return [{field: value, "roles": by_role(layer_table(c, probe(c, params, tokens), bound))}
+            for value, c in zip(values, configs)]

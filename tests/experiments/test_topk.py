@@ -1,0 +1,105 @@
+"""The Top-K measures behind notebooks/topk_candidates.ipynb, on hand cases with known answers."""
+
+import numpy as np
+import pytest
+
+from csa2.config import preset
+from csa2.layout import layer_plan
+from csa2.probe import Probe
+from experiments import topk
+
+MINI = preset("mini")
+MASS = np.array([0.1, 0.2, 0.3, 0.4])
+
+
+def test_recall_counts_each_valid_id_once():
+    assert topk.recall(MASS, np.array([3, 1, -1])) == pytest.approx(0.6)
+    assert topk.recall(MASS, np.array([3, 3, -1])) == pytest.approx(0.4)
+    assert topk.recall(MASS / 2, np.array([0, 1, 2, 3])) == pytest.approx(1.0)  # a share of the Global mass
+    assert np.isnan(topk.recall(np.zeros(4), np.array([0])))
+
+
+def test_oracle_takes_the_largest_mass_and_reaches_recall_one_when_it_can_hold_every_entry():
+    np.testing.assert_array_equal(topk.oracle(MASS, 2), [2, 3])
+    np.testing.assert_array_equal(topk.oracle(np.array([0.0, 0.5, 0.0, 0.5]), 3), [1, 3, -1])
+    assert topk.recall(MASS, topk.oracle(MASS, 4)) == pytest.approx(1.0)
+    rng = np.random.default_rng(0)
+    mass = rng.random((5, 9))
+    for k in range(1, 9):
+        best = topk.recall(mass, topk.oracle(mass, k))
+        other = topk.recall(mass, np.stack([rng.permutation(9)[:k] for _ in range(5)]))
+        assert (best >= other - 1e-12).all()
+
+
+def test_overlap_is_the_share_of_the_second_set_found_in_the_first():
+    assert topk.overlap(np.array([1, 2, -1]), np.array([2, 3, -1])) == pytest.approx(0.5)
+    assert topk.overlap(np.array([-1, -1]), np.array([0, 1])) == 0
+    assert np.isnan(topk.overlap(np.array([0]), np.array([-1])))
+
+
+def _record(layer: int, mass: np.ndarray, ids: np.ndarray) -> Probe:
+    """A probe of MINI where only `layer` has mass `[S, N]` and reads `ids [S, K]`."""
+    L, (s, n), k = MINI.num_hidden_layers, mass.shape, ids.shape[-1]
+    full = np.zeros((L, 1, s, n))
+    full[layer, 0] = mass
+    sel = np.full((L, 1, s, k), -1)
+    sel[layer, 0] = ids
+    return Probe(mass=full, topk=sel, scan=sel, pool=np.full((L, 1, s, 0), -1))
+
+
+def test_misses_by_distance_puts_each_missed_entry_in_its_bin():
+    """Layer 4 (ratio 1): a query at position 40 attends 0.5 to entry 39 (distance 1, read) and 0.5 to entry 8
+    (distance 32, missed); earlier queries do not count (at most index_topk visible entries)."""
+    layer = 4
+    assert layer_plan(MINI)[layer].ratio == 1
+    s = 41
+    mass, ids = np.zeros((s, s)), np.full((s, MINI.index_topk), -1)
+    mass[40, [39, 8]] = 0.5
+    ids[40, 0] = 39
+    mass[3, 0] = 1.0  # 4 visible entries ≤ index_topk: not counted
+    out = topk.misses_by_distance(MINI, _record(layer, mass, ids), [0, 16, 64])[layer]
+    np.testing.assert_allclose(out["mass"], [0.5, 0.5])
+    np.testing.assert_allclose(out["missed"], [0.0, 0.5])
+
+
+def test_recall_by_position_bins_the_counted_queries():
+    layer, s = 4, 41
+    mass, ids = np.zeros((s, s)), np.full((s, MINI.index_topk), -1)
+    mass[[38, 40], 0] = 1.0
+    ids[38, 0] = 0  # position 38 read its entry, position 40 did not
+    out = topk.recall_by_position(MINI, _record(layer, mass, ids), [0, 39, 41])[layer]
+    np.testing.assert_allclose(out["recall"], [1.0, 0.0])
+    np.testing.assert_allclose(out["oracle"], [1.0, 1.0])
+
+
+def test_distance_runs_to_the_last_token_of_a_compressed_entry():
+    layer = 1
+    assert layer_plan(MINI)[layer].ratio == 2  # entry i covers tokens 2i, 2i+1
+    np.testing.assert_array_equal(topk.distance(MINI, layer, 3, 6)[5], [4, 2, 0])
+
+
+def test_layer_table_on_a_hand_case():
+    layer = 6  # Reindex: reads inside the candidate pool of layer 4
+    s = 40
+    mass, ids = np.zeros((s, s)), np.full((s, MINI.index_topk), -1)
+    mass[39, [1, 2, 3, 4]] = [0.4, 0.3, 0.2, 0.1]
+    ids[39, :2] = [1, 4]
+    rec = _record(layer, mass, ids)
+    pool = np.full(rec.pool.shape[:-1] + (MINI.candidate_pool_size,), -1)
+    pool[layer, 0, 39, :3] = [1, 2, 4]
+    rec = rec.replace(pool=pool)
+    (row,) = [r for r in topk.layer_table(MINI, rec) if r["layer"] == layer]
+    assert row["role"] == "reindex" and row["queries"] == 1
+    assert row["recall"] == pytest.approx(0.5) and row["oracle"] == pytest.approx(1.0)
+    assert row["overlap"] == pytest.approx(0.5)  # the oracle's 4 entries, 2 of them read
+    assert row["pool"] == pytest.approx(0.8) and row["inside_pool"] == pytest.approx(0.5 / 0.8)
+
+
+def test_sweep_reruns_the_model_per_value(mini_params):
+    tokens = np.random.default_rng(1).integers(0, 256, (1, 40))
+    rows = topk.sweep(MINI, mini_params, tokens, "index_topk", [4, 32])
+    assert [r["index_topk"] for r in rows] == [4, 32]
+    small, large = (r["roles"]["full"] for r in rows)
+    assert small["recall"] < large["recall"]
+    with pytest.raises(ValueError, match="not a ModelConfig field"):
+        topk.sweep(MINI, mini_params, tokens, "topk", [4])
