@@ -40,6 +40,12 @@ class Ablation:
                            seed=self.seed)
 
 
+# CI sizes: the fp4_qat notebook's fast mode (on `mini`) and its test run exactly this, so within one test run
+# the notebook's kernel loads the programs the test compiled (tests/conftest.py's compilation cache).
+FAST = Ablation(steps=2, batch_size=1, seq_len=16, switch=1)
+FAST_PRESET = "mini"
+
+
 def ablation(cfg: ModelConfig, train_tokens: np.ndarray, valid_tokens: np.ndarray, spec: Ablation,
              out: str | pathlib.Path) -> dict[str, dict[str, float]]:
     """{run: {"float": val bpb, "fp4": val bpb}} for the runs of `spec`, each trained into `out/<n>` (a finished run

@@ -1,15 +1,34 @@
-"""Shared test setup: float32 numerics at full matmul precision (DESIGN §6) and session-wide parameters,
-so each preset's `init_params` compiles once per test run."""
+"""Shared test setup: float32 numerics at full matmul precision (DESIGN §6), session-wide parameters so each
+preset's `init_params` compiles once per test run, and one persistent compilation cache per run.
+
+The cache: `fresh_compile_caches` drops every compiled program after each module, and the notebook tests run
+notebooks in fresh kernels (which inherit these settings through the environment); a program compiled again
+in either place loads from the run's XLA compilation cache instead of compiling. It lives in a temporary
+directory removed at the end of the run, so every run starts cold, as CI does; set `JAX_COMPILATION_CACHE_DIR`
+to keep one across runs instead.
+"""
 
 import gc
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 
-from csa2 import model
-from csa2.config import preset
-
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="csa2-xla-cache-")
+# Set in the environment too, so the notebook kernels the tests start compile the same programs.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from csa2 import model  # noqa: E402  (after the cache is configured: nothing may compile before)
+from csa2.config import preset  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,9 +43,17 @@ def tiny_params():
 
 @pytest.fixture(autouse=True, scope="module")
 def fresh_compile_caches():
-    """Each test module compiles afresh. XLA:CPU maps about a thousand memory regions per compiled model
+    """Each test module drops its compiled programs when it ends (a later module that needs one again loads it
+    from the run's compilation cache). XLA:CPU maps about a thousand memory regions per compiled model
     program; a process that kept every program of the suite would pass the kernel's vm.max_map_count
     (65530) and crash inside the compiler."""
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compilation_cache():
+    yield os.environ["JAX_COMPILATION_CACHE_DIR"]
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
