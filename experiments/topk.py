@@ -24,6 +24,7 @@ import numpy as np
 
 from csa2 import model
 from csa2.config import ModelConfig
+from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
 from csa2.probe import Probe
 
@@ -77,21 +78,13 @@ def overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def counted(cfg: ModelConfig, layer: int, mass: np.ndarray, min_visible: int | None = None) -> np.ndarray:
     """The queries `[B, S]` of `layer` that count: more visible entries than `min_visible` (default
     `index_topk`), and some Global mass."""
-    ratio = layer_plan(cfg)[layer].ratio
-    t = np.arange(mass.shape[-2])
-    visible = (t + 1) // ratio if ratio else np.zeros_like(t)
+    visible = visible_entries(np.arange(mass.shape[-2]), layer_plan(cfg)[layer].ratio)
     bound = cfg.index_topk if min_visible is None else min_visible
     return (visible > bound)[None, :] & (np.sum(mass, axis=-1) > 0)
 
 
 def _mean(x: np.ndarray, where: np.ndarray) -> float:
     return float(np.mean(x[where])) if np.any(where) else float("nan")
-
-
-def index_source(cfg: ModelConfig, layer: int) -> int | None:
-    """The layer whose top-k `layer` reads: itself on index sources, `max(index_source ≤ layer)` on Reuse layers."""
-    sources = [s for s in cfg.index_source_layer_ids if s <= layer]
-    return max(sources) if sources and layer_plan(cfg)[layer].role != "swa" else None
 
 
 def layer_table(cfg: ModelConfig, rec: Probe, min_visible: int | None = None) -> list[dict]:
@@ -107,7 +100,7 @@ def layer_table(cfg: ModelConfig, rec: Probe, min_visible: int | None = None) ->
         where = counted(cfg, layer, mass, min_visible)
         best = oracle(mass, cfg.index_topk)
         r = recall(mass, topk)
-        row = {"layer": layer, "role": spec.role, "ratio": spec.ratio, "topk_from": index_source(cfg, layer),
+        row = {"layer": layer, "role": spec.role, "ratio": spec.ratio, "topk_from": spec.index_source,
                "queries": int(np.sum(where)), "recall": _mean(r, where), "oracle": _mean(recall(mass, best), where),
                "overlap": _mean(overlap(topk, best), where), "scan": float("nan"), "pool": float("nan"),
                "inside_pool": float("nan")}

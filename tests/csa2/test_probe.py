@@ -57,7 +57,7 @@ def test_recorded_selections_follow_the_layer_roles(probed):
     rec = jax.tree.map(np.asarray, probed[1]["probe"])
     plan = layer_plan(MINI)
     for layer, spec in enumerate(plan):
-        source = topk.index_source(MINI, layer)
+        source = spec.index_source
         if spec.role == "reuse":  # reads its index source's top-k, runs no indexer
             np.testing.assert_array_equal(rec.topk[layer], rec.topk[source])
             assert (rec.scan[layer] == -1).all()
