@@ -19,6 +19,7 @@ from flax import nnx
 from csa2 import cache
 from csa2 import index_loss as index_loss_lib
 from csa2 import probe as probe_lib
+from csa2 import selection
 from csa2.chunk import Chunk
 from csa2.compressor import Compressor
 from csa2.config import ModelConfig
@@ -116,6 +117,9 @@ def attention(
     quantize: bool = True,
     index_loss: str | None = None,
     probe: int | None = None,
+    policy: selection.Policy | None = None,
+    policy_start: Array | None = None,
+    layer: Array | int = 0,
 ) -> tuple[Array, Stored, Bus, Array, probe_lib.Probe | None]:
     """One sublayer on a chunk. x [B, S, d] is the normed collapsed residual.
 
@@ -125,7 +129,8 @@ def attention(
     [B, S, d], the ring with this chunk's entries written, the bus, the indexer KL loss of SPEC §13
     (an index source with `index_loss` "sparse" or "dense"; 0 otherwise) and, with `probe` = an entry
     width, this layer's `csa2.probe.Probe` (else None). `quantize=False` (float cache only) skips every
-    fake-quant.
+    fake-quant. A `policy` (SPEC §14, `csa2.selection`) replaces the Global entries this layer reads from
+    position `policy_start` [B] on; `layer` is this layer's index (may be traced), for per-layer policies.
     """
     b, s, _ = x.shape
     chex.assert_shape(x, (b, s, cfg.hidden_size))
@@ -158,10 +163,15 @@ def attention(
         bus = bus.replace(topk=topk)
 
     # Core attention: the W window rows and the selected Global entries in one sink softmax (SPEC §3).
+    read = bus.topk  # the Global entry ids this layer reads
     if spec.role == "swa":
         main, main_idx = Stored.empty((b, 0), cfg.head_dim, MAIN, ring.packed), jnp.zeros((b, s, 0), jnp.int32)
+        read = jnp.full((b, s, cfg.index_topk if policy is None else policy.width(cfg)), -1, jnp.int32)
     else:
-        main, main_idx = source.kv, source.rows(bus.topk)
+        if policy is not None:
+            read = selection.read(cfg, policy, policy_start, layer, q, params["sink"], window, window_idx, source,
+                                  positions, spec.ratio, bus.topk)
+        main, main_idx = source.kv, source.rows(read)
     o = ops.sparse_attention(q, params["sink"], main, main_idx, window, window_idx, impl=cfg.kernel_impl)
     kl = jnp.zeros((), jnp.float32)
     if index_loss is not None and spec.role in ("full", "reindex"):
@@ -169,8 +179,8 @@ def attention(
                          w_index, positions, valid_q)
     record = None
     if probe is not None:
-        record = probe_lib.record(cfg, spec, probe, q, params["sink"], window, window_idx, source, bus, q_index,
-                                  w_index, positions)
+        record = probe_lib.record(cfg, spec, probe, q, params["sink"], window, window_idx, source, bus, read,
+                                  q_index, w_index, positions)
     out = output(cfg, params, o, positions, freqs)
 
     slot, keep = cache.ring_slots(positions, valid_q, chunk.end, ring.rows)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from csa2 import boundary, dspark, index_loss as index_loss_lib
+from csa2 import boundary, dspark, index_loss as index_loss_lib, selection
 from csa2.boundary import entry_point
 from csa2.config import ModelConfig
 from csa2.layout import layer_groups
@@ -234,7 +234,7 @@ def fork(state: State, rows: Array) -> State:
 # ---------------------------------------------------------------------------------------------
 # Training
 
-def _check_forward(cfg, params, tokens, qat, replay, index_loss, features, probe) -> None:
+def _check_forward(cfg, params, tokens, qat, replay, index_loss, features, probe, policy, policy_start) -> None:
     boundary.check_config(cfg)
     boundary.check_replay(cfg, replay)
     boundary.check_token_ids(cfg, tokens)
@@ -245,18 +245,35 @@ def _check_forward(cfg, params, tokens, qat, replay, index_loss, features, probe
     if probe and not replay.exact:
         raise ValueError(f"probe=True with replay={replay}: probes record every layer on every position; "
                          "use replay=EXACT")
+    if policy is not None:
+        if not isinstance(policy, selection.Policy):
+            raise ValueError(f"policy={policy!r}: pass a csa2.selection policy (Oracle, StreamingLLM, H2O, SnapKV, "
+                             "PyramidKV, Quest) or None for the model's own top-k")
+        if not replay.exact:
+            raise ValueError(f"policy={policy} with replay={replay}: a policy reads for every layer on every "
+                             "position; use replay=EXACT")
+        if policy_start is None or jnp.shape(policy_start) not in ((), jnp.shape(tokens)[:1]):
+            raise ValueError(f"policy_start={policy_start}: give the first position the policy reads, an int or "
+                             f"one per row [{jnp.shape(tokens)[0]}]")
+        policy.check(cfg, jnp.shape(tokens)[1], boundary.concrete(policy_start))
+    elif policy_start is not None:
+        raise ValueError(f"policy_start={policy_start} without a policy: pass policy= too, or drop policy_start")
 
 
-@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "index_loss", "features", "probe"))
+@entry_point(_check_forward,
+             static_argnames=("cfg", "qat", "replay", "index_loss", "features", "probe", "policy"))
 def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = False, replay: ReplayPolicy = EXACT,
-            index_loss: str | None = None, features: bool = False, probe: bool = False) -> tuple[Array, dict]:
+            index_loss: str | None = None, features: bool = False, probe: bool = False,
+            policy: selection.Policy | None = None, policy_start: Array | int | None = None) -> tuple[Array, dict]:
     """Teacher-forced logits for training: `tokens [B, S]` → logits of the rows that reach the head
     `[B, T, V]` (T = S in exact mode; the decoder tail under `replay`), and aux outputs
     (`load [L, E]` MoE loads for `update_router_bias`, `index_kl [L]` the indexer KL of SPEC §13 per
     layer when `index_loss` is "sparse" or "dense", `rows [B, T]` chunk rows of the logits, and with
     `features=True` the DSpark target features `[B, T, n_t, d]` of those rows, SPEC §12, and with
     `probe=True` every layer's `csa2.probe.Probe` stacked `[L, B, S, ...]`: dense attention mass next to the
-    selections the layer read; exact mode only).
+    selections the layer read; exact mode only). `policy`: a SPEC §14 KV-selection baseline decides what
+    every Global-reading layer reads from position `policy_start` (an int or one per row [B]) on; the
+    earlier positions, the prefill, read the model's own top-k (`csa2.selection`; exact mode only).
 
     `qat=True` runs the SPEC §8 fake-quant (straight-through) on Main KV, Indexer Q/K and window KV,
     exactly as inference stores them; `qat=False` is the float model.
@@ -266,7 +283,8 @@ def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = F
     state = init_state(cfg, b, -(-s // granule) * granule, "float")
     p = arrays(params)
     out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, index_loss=index_loss,
-                features=features, probe=probe)
+                features=features, probe=probe, policy=policy,
+                policy_start=None if policy is None else jnp.broadcast_to(jnp.asarray(policy_start, jnp.int32), (b,)))
     aux = {"load": out.load, "index_kl": out.index_kl, "rows": out.rows}
     if features:
         aux["features"] = out.features

@@ -6,7 +6,7 @@
   when *every* visible entry joins the window in the sink softmax (SPEC §3 without top-k; the target of
   SPEC §13's dense loss). It is 0 on entries that are not visible, on padding, and on SWA layers.
 - `topk`: the entries the layer read (its own indexer's on Full and Reindex layers; the shared top-k of
-  its index source on Reuse layers).
+  its index source on Reuse layers; the policy's under a `csa2.selection` policy).
 - `scan`: this layer's own indexer over every visible entry (Full and Reindex layers; −1 elsewhere), so
   a Reindex layer's selection inside the candidate pool can be set against the full scan it replaces.
 - `pool`: the candidate pool on the bus (layers after the candidate source; −1 elsewhere).
@@ -22,6 +22,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from csa2 import selection
 from csa2.config import ModelConfig
 from csa2.indexer import Bus, full_topk, visible_entries
 from csa2.layout import LayerSpec
@@ -37,8 +38,8 @@ class Probe:
     """One layer's record `[B, S, ·]` (stacked `[L, B, S, ·]` by `forward`); see the module docstring.
 
     mass [B, S, N]: N = the largest Global KV source of the model (a smaller source's entries are
-    padded with 0). topk, scan [B, S, index_topk]; pool [B, S, candidate pool size] (0 wide without
-    candidates). Entry ids are the source's entries 0..N−1; −1 = none.
+    padded with 0). topk [B, S, index_topk] (a policy's width under a policy), scan [B, S,
+    index_topk]; pool [B, S, candidate pool size] (0 wide without candidates). Entry ids are the source's entries 0..N−1; −1 = none.
     """
 
     mass: Array
@@ -71,21 +72,20 @@ def dense_ids(source: SourceKV, positions: Array, ratio: int) -> tuple[Array, Ar
 
 
 def record(cfg: ModelConfig, spec: LayerSpec, width: int, q: Array, sink: Array, window: Stored, window_idx: Array,
-           source: SourceKV | None, bus: Bus, q_index: Array | None, w_index: Array | None,
+           source: SourceKV | None, bus: Bus, read: Array, q_index: Array | None, w_index: Array | None,
            positions: Array) -> Probe:
-    """This layer's `Probe`, after its indexer published on `bus` (`q_index`, `w_index`: its indexer queries
-    on Full and Reindex layers). `width` is the padded entry count (`entries`)."""
+    """This layer's `Probe`, after its indexer published on `bus` (`read`: the entry ids the layer read;
+    `q_index`, `w_index`: its indexer queries on Full and Reindex layers). `width` is the padded entry count
+    (`entries`)."""
     b, s = positions.shape
     none = jnp.full((b, s, cfg.index_topk), -1, jnp.int32)
     if source is None:  # an SWA layer reads no Global KV
-        return Probe(mass=jnp.zeros((b, s, width), jnp.float32), topk=none, scan=none, pool=bus.candidates)
-    ids, visible = dense_ids(source, positions, spec.ratio)
-    _, main = attention_probs(q, sink, window, window_idx, source.kv, source.rows(ids), visible)
-    mass = jnp.mean(main, axis=2)  # [B, S, N]
+        return Probe(mass=jnp.zeros((b, s, width), jnp.float32), topk=read, scan=none, pool=bus.candidates)
+    mass = selection.view(q, sink, window, window_idx, source, positions, spec.ratio).mass()  # [B, S, N]
     mass = jnp.pad(mass, [(0, 0), (0, 0), (0, width - source.entries)])
     scan = none
     if spec.role == "full":
         scan = bus.topk
     elif spec.role == "reindex":
         scan, _ = full_topk(cfg, q_index, w_index, source, positions, spec.ratio)
-    return Probe(mass=mass, topk=bus.topk, scan=scan, pool=bus.candidates)
+    return Probe(mass=mass, topk=read, scan=scan, pool=bus.candidates)

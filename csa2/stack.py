@@ -32,6 +32,7 @@ from csa2.moe import MoE, moe
 from csa2.norm import rms_norm
 from csa2.params import linear, ones
 from csa2.probe import Probe, entries as probe_entries
+from csa2.selection import Policy
 from csa2.replay import DecoderTail, Extend, ReplayPlan, ReplayPolicy, plan as replay_plan
 from csa2.state import State
 
@@ -130,7 +131,9 @@ class Context:
     """What every layer of a segment shares: the chunk of the rows in the flow, the Engram token window
     of the whole chunk `[B, N−1+S]`, the chunk rows of the flow (`None` = every row), the first position
     whose Global KV entries the call may write (`None` = any; SPEC §11 encoder replay), the numerics,
-    and the entry width of the probes each layer records (`None` = no probes; `csa2.probe`)."""
+    the entry width of the probes each layer records (`None` = no probes; `csa2.probe`) and the KV-selection
+    policy every layer that reads Global KV follows from position `policy_start` on (`None` = its own top-k;
+    `csa2.selection`)."""
 
     chunk: Chunk
     history: Array | None
@@ -139,6 +142,8 @@ class Context:
     quantize: bool
     index_loss: str | None
     probe: int | None = None
+    policy: Policy | None = None
+    policy_start: Array | None = None  # [B]
 
 
 def take_rows(x: Array, rows: Array) -> Array:
@@ -193,7 +198,8 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
         chunk = enter.chunk
 
     out, ring, bus, kl, probe = attention(cfg, spec, p["attn"], x, chunk, _ring(state.swa, index), source, bus,
-                                          quantize=ctx.quantize, index_loss=ctx.index_loss, probe=ctx.probe)
+                                          quantize=ctx.quantize, index_loss=ctx.index_loss, probe=ctx.probe,
+                                          policy=ctx.policy, policy_start=ctx.policy_start, layer=index)
     state = state.replace(swa=_put_ring(state.swa, index, ring))
     X = mhc.update(X, out, post, comb)
     x, ffn_pre, post, comb = site_input(cfg, p["ffn_hc"], p["ffn_norm"], X, pre)
@@ -361,11 +367,13 @@ def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Arr
 
 def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: Array, replay: ReplayPolicy, *,
           quantize: bool, extend: Extend | None = None, index_loss: str | None = None,
-          features: bool = False, probe: bool = False) -> StackOut:
+          features: bool = False, probe: bool = False, policy: Policy | None = None,
+          policy_start: Array | None = None) -> StackOut:
     """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real) of
     `extend` (None: the chunk is the whole extend). `features`: also collect the DSpark target features
     of the rows that reach the head (SPEC §12). `probe`: every layer records its `csa2.probe.Probe`
-    (exact mode only: every layer sees every row).
+    (exact mode only: every layer sees every row). `policy`: a KV-selection baseline replaces what every
+    Global-reading layer reads from position `policy_start` [B] on (SPEC §14, `csa2.selection`; exact mode).
 
     Three segments: before the split every row runs with no floor; at the split the flow enters the
     decoder tail (bounded replay only; inside the split layer when it compresses, before it otherwise);
@@ -386,9 +394,10 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     before, at, after = segments(cfg, plan.split, plan.cut)
     width = probe_entries(state) if probe else None
     everyone = Context(chunk=chunk, history=history, rows=None, written_from=written_from, quantize=quantize,
-                       index_loss=index_loss, probe=width)
+                       index_loss=index_loss, probe=width, policy=policy, policy_start=policy_start)
     tail = Context(chunk=plan.tail.chunk, history=history, rows=plan.tail.rows if plan.cut else None,
-                   written_from=written_from, quantize=quantize, index_loss=index_loss, probe=width)
+                   written_from=written_from, quantize=quantize, index_loss=index_loss, probe=width, policy=policy,
+                   policy_start=policy_start)
 
     groups = layer_groups(cfg)
     ys, work = [], jnp.zeros((), jnp.int32)

@@ -11,7 +11,7 @@ IDS = [p.stem for p in NOTEBOOKS]
 
 
 def test_there_are_notebooks():
-    assert {p.stem for p in NOTEBOOKS} >= {"replay_windows", "fp4_qat", "topk_candidates"}
+    assert {p.stem for p in NOTEBOOKS} >= {"replay_windows", "fp4_qat", "topk_candidates", "kv_selection"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

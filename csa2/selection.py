@@ -1,0 +1,380 @@
+"""KV-selection baselines (SPEC §14) as read policies over this model's Global KV, at an equal read budget.
+
+CSA2 reads, per query, its sliding window plus `index_topk` Global entries chosen by the lightning indexer
+(SPEC §5). A policy here replaces *which* `index_topk` Global entries a layer reads; the window, the sink and
+everything else stay. `forward(..., policy=, policy_start=)` applies it to every layer that reads Global KV, each
+layer choosing with its own queries, for the queries at positions ≥ `start`: the earlier ones are the prefill
+and read the model's own top-k, identical for every policy, so the policies differ only in what the steps
+after the prompt read (the one-shot policies compress the cache at `start`). Every policy reads at most
+`index_topk` entries per step (PyramidKV: on average over the layers), so `index_topk` is the read budget.
+
+| policy         | reads per step                                   | keeps                | loses for ever          |
+|----------------|--------------------------------------------------|----------------------|-------------------------|
+| `StreamingLLM` | the first `sinks` entries + the newest           | what it reads        | every other entry       |
+| `H2O`          | heavy hitters (cumulative attention) + newest    | what it reads        | each entry it evicts    |
+| `SnapKV`       | prompt entries chosen once at `start` + newest   | what it reads        | unchosen prompt entries, later ones past the newest |
+| `PyramidKV`    | SnapKV with per-layer budgets, deep layers fewer | what it reads        | as SnapKV               |
+| `Quest`        | the pages of largest upper bound (+ the newest)  | every entry          | nothing                 |
+| `Oracle`       | the entries of largest true attention            | every entry          | nothing                 |
+
+Each policy is a pure function of a `View` (one layer's queries, every Global entry, the window's share of
+the softmax) to a read mask `[B, S, N]`; `read` turns it into the entry ids the layer reads. Attention scores
+are the SPEC §3 sink softmax, averaged over heads where a policy ranks entries (the selection is shared by a
+layer's heads, as CSA2's top-k is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2.config import ModelConfig
+from csa2.indexer import select_topk, visible_entries
+from csa2.layout import layer_plan
+from csa2.state import SourceKV
+from pallas_kernels import reference
+from pallas_kernels.stored import Stored
+
+Array = jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# What a policy sees
+
+@chex.dataclass(frozen=True)
+class View:
+    """One layer's queries and its group's Global KV (batch B, queries S, heads H, entries N, dim D).
+
+    q [B, S, H, D] rotated main queries; keys [B, N, D] every Global entry, decoded (K = V, SPEC §3);
+    rest [B, S, H] log of what the window entries and the sink add to each head's softmax denominator;
+    visible [B, S] the number of entries each query may read (SPEC §4); positions [B, S].
+    """
+
+    q: Array
+    keys: Array
+    rest: Array
+    visible: Array
+    positions: Array
+
+    @property
+    def entries(self) -> int:
+        return self.keys.shape[1]
+
+    def dense(self) -> Array:
+        """Whether each entry is visible to each query `[B, S, N]`."""
+        return jnp.arange(self.entries) < self.visible[..., None]
+
+    def logits(self) -> Array:
+        """`q_h · k_e · D^-½` `[B, S, H, N]`, −inf where not visible (SPEC §3)."""
+        logits = jnp.einsum("bshd,bnd->bshn", self.q.astype(jnp.float32), self.keys.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST) * self.q.shape[-1] ** -0.5
+        return jnp.where(self.dense()[:, :, None, :], logits, -jnp.inf)
+
+    def probs(self, read: Array | None = None) -> Array:
+        """Per-head sink-softmax probabilities `[B, S, H, N]` when the window and the entries of `read`
+        `[B, S, N]` (default: every visible entry) are in the softmax; 0 off `read`."""
+        logits = self.logits()
+        if read is not None:
+            logits = jnp.where(read[:, :, None, :], logits, -jnp.inf)
+        return sink_softmax(logits, self.rest)
+
+    def mass(self) -> Array:
+        """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`csa2.probe`'s mass)."""
+        return jnp.mean(self.probs(), axis=2)
+
+
+def sink_softmax(logits: Array, rest: Array) -> Array:
+    """`exp(l_e − lse)` with `lse = log(Σ_e exp(l_e) + exp(rest))` over the last axis: logits `[..., N]`
+    (−inf = not in the softmax), rest `[...]` the rest of the denominator (window entries and sink)."""
+    lse = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), rest)
+    return jnp.exp(logits - lse[..., None])
+
+
+def view(q: Array, sink: Array, window: Stored, window_idx: Array, source: SourceKV, positions: Array,
+         ratio: int) -> View:
+    """The `View` of one layer (its inputs as `csa2.attention.attention` holds them)."""
+    b = q.shape[0]
+    ids = jnp.broadcast_to(jnp.arange(source.entries, dtype=jnp.int32), (b, source.entries))
+    keys = source.kv.gather(source.rows(ids))  # [B, N, D]
+    window_keys, window_valid = reference.gather_entries(window, window_idx)  # [B, S, W, D]
+    logits = jnp.einsum("bshd,bswd->bshw", q.astype(jnp.float32), window_keys,
+                        precision=jax.lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
+    logits = jnp.where(window_valid[:, :, None, :], logits, -jnp.inf)
+    rest = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), sink.astype(jnp.float32)[None, None, :])
+    return View(q=q, keys=keys, rest=rest, visible=visible_entries(positions, ratio), positions=positions)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks (masks [..., N])
+
+def newest(visible: Array, count: Array, n: int) -> Array:
+    """The newest `count` of the `visible` entries `[..., N]` (entries `[visible − count, visible)`)."""
+    i = jnp.arange(n)
+    return (i < visible[..., None]) & (i >= (visible - count)[..., None])
+
+
+def fill_newest(keep: Array, dense: Array, budget: Array | int) -> Array:
+    """`keep` plus the newest entries of `dense` not in it, up to `budget` entries in all (masks `[..., N]`)."""
+    free = dense & ~keep
+    younger = jnp.cumsum(free[..., ::-1], axis=-1)[..., ::-1] - free  # free entries newer than each entry
+    room = budget - jnp.sum(keep, axis=-1, keepdims=True)
+    return keep | (free & (younger < room))
+
+
+def top(scores: Array, where: Array, count: Array | int) -> Array:
+    """The `count` entries of largest score among `where` (masks `[..., N]`; ties: the lower id first)."""
+    order = jnp.lexsort((jnp.where(where, -scores, 0.0), ~where), axis=-1)  # `where` first, then by score
+    rank = jnp.argsort(order, axis=-1, stable=True)
+    count = jnp.asarray(count)
+    return where & (rank < (count[..., None] if count.ndim else count))
+
+
+def recent_count(budget: Array | int, share: float) -> Array | int:
+    """How many of a `budget` the newest entries take: ⌊share · budget⌋."""
+    if isinstance(budget, int):
+        return int(np.floor(budget * share))
+    return jnp.floor(budget * share).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The policies: pure functions View → read mask [B, S, N]
+
+def oracle(v: View, budget: Array | int) -> Array:
+    """The `budget` entries of largest true attention (head-mean dense probability) at every query."""
+    return top(v.mass(), v.dense(), budget)
+
+
+def streaming_llm(v: View, budget: Array | int, sinks: int) -> Array:
+    """StreamingLLM: the first `sinks` entries (attention sinks) and the newest ones."""
+    dense = v.dense()
+    return fill_newest(dense & (jnp.arange(v.entries) < sinks), dense, budget)
+
+
+def h2o(v: View, budget: int, recent: float, start: Array | int) -> Array:
+    """H2O: heavy hitters by cumulative attention plus the newest `⌊recent · budget⌋` entries.
+
+    Before `start` (the prefill; an int or one per row [B]) every query attends densely and its
+    probabilities accumulate; from `start` on a query reads its kept set (heavy hitters ∪ newest), its
+    probabilities over that set (the window and sink in the denominator) accumulate, and when an entry
+    leaves the newest ones the `budget − ⌊recent · budget⌋` kept entries of largest cumulative score stay
+    heavy: the others are evicted for ever. Scores are summed over heads.
+    """
+    b, n = v.visible.shape[0], v.entries
+    newest_count = recent_count(budget, recent)
+    heavy_count = budget - newest_count
+    logits = v.logits()  # [B, S, H, N]
+    vis_next = jnp.concatenate([v.visible[:, 1:], v.visible[:, -1:]], axis=1)  # the next query's count
+
+    def step(carry, xs):
+        acc, heavy = carry  # [B, N] float, bool
+        logit, rest, vis, nxt, before = xs  # [B, H, N], [B, H], [B], [B], [B]
+        dense = jnp.arange(n) < vis[:, None]
+        read = jnp.where(before[:, None], dense, fill_newest(heavy & dense, dense, budget))
+        probs = sink_softmax(jnp.where(read[:, None, :], logit, -jnp.inf), rest)  # [B, H, N]
+        acc = acc + jnp.sum(probs, axis=1)
+        candidates = read & ~newest(nxt, newest_count, n)  # what leaves the newest may stay heavy
+        return (acc, top(acc, candidates, heavy_count)), read
+
+    prefill = (v.positions < _per_row(start, b)[:, None]).T  # [S, B]
+    xs = (jnp.moveaxis(logits, 1, 0), jnp.moveaxis(v.rest, 1, 0), v.visible.T, vis_next.T, prefill)
+    init = (jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), bool))
+    _, reads = jax.lax.scan(step, init, xs)
+    return jnp.moveaxis(reads, 0, 1)
+
+
+def snapkv(v: View, budget: Array | int, recent: float, window: int, kernel: int, start: Array | int) -> Array:
+    """SnapKV: at `start`, the last `window` prompt queries' attention (head-mean, summed over those queries,
+    max-pooled over `kernel` neighbouring entries) chooses `budget − ⌊recent · budget⌋` prompt entries, once;
+    every later query reads them and the newest entries up to `budget`."""
+    dense = v.dense()
+    n = v.entries
+    start = _per_row(start, v.visible.shape[0])[:, None]
+    observed = (v.positions >= start - window) & (v.positions < start)  # [B, S]
+    scores = jnp.sum(jnp.where(observed[..., None], v.mass(), 0.0), axis=1)  # [B, N]
+    half = kernel // 2
+    padded = jnp.pad(scores, [(0, 0), (half, half)], constant_values=-jnp.inf)
+    pooled = jnp.max(jnp.stack([padded[:, j:j + n] for j in range(kernel)]), axis=0)
+    at_start = jnp.max(jnp.where(observed, v.visible, 0), axis=1)  # entries visible at the prompt's end [B]
+    recent_n = recent_count(budget, recent)
+    older = jnp.arange(n) < (at_start - recent_n)[:, None]  # not among the newest at the prompt's end
+    chosen = top(pooled, older, budget - recent_n)  # [B, N]
+    return fill_newest(jnp.broadcast_to(chosen[:, None, :], dense.shape) & dense, dense, budget)
+
+
+def quest(v: View, budget: int, page: int) -> Array:
+    """Quest: pages of `page` entries with per-channel key min and max; a query bounds each page's logit by
+    `Σ_i max(q_i · max_i, q_i · min_i)` (the largest over heads), reads the `budget // page` pages of largest
+    bound, the newest (partial) page always among them; nothing is evicted."""
+    b, n, d = v.keys.shape
+    pages = -(-n // page)
+    keys = jnp.pad(v.keys.astype(jnp.float32), [(0, 0), (0, pages * page - n), (0, 0)]).reshape(b, pages, page, d)
+    hi, lo = jnp.max(keys, axis=2), jnp.min(keys, axis=2)  # [B, P, D]
+    q = v.q.astype(jnp.float32)
+    # max(q·hi, q·lo) per channel = q·(hi + lo)/2 + |q|·(hi − lo)/2, summed over channels.
+    bound = (jnp.einsum("bshd,bpd->bshp", q, (hi + lo) / 2, precision=jax.lax.Precision.HIGHEST)
+             + jnp.einsum("bshd,bpd->bshp", jnp.abs(q), (hi - lo) / 2, precision=jax.lax.Precision.HIGHEST))
+    score = jnp.max(bound, axis=2)  # [B, S, P]
+    p = jnp.arange(pages)
+    newest_page = (v.visible - 1) // page
+    score = jnp.where(p == newest_page[..., None], jnp.inf, score)
+    chosen = top(score, p * page < v.visible[..., None], budget // page)  # [B, S, P]
+    return jnp.repeat(chosen, page, axis=-1)[..., :n] & v.dense()
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies as static configuration (hashable: `forward` compiles one program per policy)
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A read policy (its settings; where it starts is the caller's `start`, an int or one per row [B])."""
+
+    name: ClassVar[str] = ""
+    evicts: ClassVar[bool] = True  # whether what it does not read is gone for ever (kept = read)
+
+    def mask(self, cfg: ModelConfig, v: View, layer: Array, start: Array) -> Array:
+        """The read mask `[B, S, N]` of layer `layer` (may be traced) at budget `cfg.index_topk`, for queries
+        from `start` [B] on (the prefill before it informs the one-shot and cumulative policies)."""
+        raise NotImplementedError
+
+    def width(self, cfg: ModelConfig) -> int:
+        """The most entries one layer reads per query."""
+        return cfg.index_topk
+
+    def check(self, cfg: ModelConfig, length: int, start: np.ndarray | None) -> None:
+        """ValueError naming the field when this policy cannot run on `length` tokens of `cfg` from `start`
+        (None: traced, unknown)."""
+        if start is not None and not np.all((0 <= start) & (start <= length)):
+            raise ValueError(f"policy_start={start}: the first position read by the policy must be in "
+                             f"[0, {length}] for {length} tokens")
+
+    def _share(self, field: str, value: float) -> None:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{type(self).__name__}.{field}={value}: a share of the budget, in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle(Policy):
+    name: ClassVar[str] = "oracle"
+    evicts: ClassVar[bool] = False
+
+    def mask(self, cfg, v, layer, start):
+        return oracle(v, cfg.index_topk)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(Policy):
+    sinks: int = 4
+    name: ClassVar[str] = "streamingllm"
+
+    def mask(self, cfg, v, layer, start):
+        return streaming_llm(v, cfg.index_topk, self.sinks)
+
+    def check(self, cfg, length, start):
+        super().check(cfg, length, start)
+        if not 0 <= self.sinks <= cfg.index_topk:
+            raise ValueError(f"StreamingLLM.sinks={self.sinks}: the sink entries must fit the budget "
+                             f"index_topk={cfg.index_topk}")
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(Policy):
+    recent: float = 0.5  # share of the budget that reads the newest entries; the rest holds heavy hitters
+    name: ClassVar[str] = "h2o"
+
+    def mask(self, cfg, v, layer, start):
+        return h2o(v, cfg.index_topk, self.recent, start)
+
+    def check(self, cfg, length, start):
+        super().check(cfg, length, start)
+        self._share("recent", self.recent)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(Policy):
+    recent: float = 0.25  # share of the budget that reads the newest entries; the rest is chosen at `start`
+    window: int = 8  # observation queries: the last `window` prompt positions
+    kernel: int = 5  # max-pooling width over neighbouring entries (odd)
+    name: ClassVar[str] = "snapkv"
+
+    def budget(self, cfg: ModelConfig, layer: Array) -> Array | int:
+        return cfg.index_topk
+
+    def mask(self, cfg, v, layer, start):
+        return snapkv(v, self.budget(cfg, layer), self.recent, self.window, self.kernel, start)
+
+    def check(self, cfg, length, start):
+        super().check(cfg, length, start)
+        self._share("recent", self.recent)
+        if self.window < 1:
+            raise ValueError(f"{type(self).__name__}.window={self.window}: observe at least one prompt query")
+        if start is not None and np.any(start < self.window):
+            raise ValueError(f"policy_start={start}: {type(self).__name__} observes the last window={self.window} "
+                             "prompt queries; start the policy after at least that many")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"{type(self).__name__}.kernel={self.kernel}: use an odd pooling width ≥ 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    beta: float = 4.0  # the deepest Global layer reads budget/beta, the first 2·budget − budget/beta
+    name: ClassVar[str] = "pyramidkv"
+
+    def budgets(self, cfg: ModelConfig) -> np.ndarray:
+        """Per-layer budgets `[L]` (0 on SWA layers): an arithmetic sequence down the layers that read Global
+        KV from `2K − K/β` to `K/β`, K = `index_topk`, whose mean is exactly K."""
+        readers = [s.index for s in layer_plan(cfg) if s.role != "swa"]
+        k = cfg.index_topk
+        steps = np.floor(np.linspace(2 * k - k / self.beta, k / self.beta, len(readers))).astype(np.int64)
+        steps[:k * len(readers) - int(steps.sum())] += 1  # the rounding deficit, one entry each from the bottom
+        out = np.zeros(cfg.num_hidden_layers, np.int64)
+        out[readers] = steps
+        return out
+
+    def budget(self, cfg, layer):
+        return jnp.asarray(self.budgets(cfg), jnp.int32)[layer]
+
+    def width(self, cfg):
+        return int(self.budgets(cfg).max())
+
+    def check(self, cfg, length, start):
+        super().check(cfg, length, start)
+        if not 1.0 <= self.beta <= cfg.index_topk:
+            raise ValueError(f"PyramidKV.beta={self.beta}: the deepest layer reads index_topk/beta entries; "
+                             f"use 1 ≤ beta ≤ index_topk={cfg.index_topk}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest(Policy):
+    page: int = 8  # entries per page
+    name: ClassVar[str] = "quest"
+    evicts: ClassVar[bool] = False
+
+    def mask(self, cfg, v, layer, start):
+        return quest(v, cfg.index_topk, self.page)
+
+    def check(self, cfg, length, start):
+        super().check(cfg, length, start)
+        if self.page < 1 or cfg.index_topk % self.page:
+            raise ValueError(f"Quest.page={self.page}: the budget index_topk={cfg.index_topk} must be a whole "
+                             "number of pages")
+
+
+def read(cfg: ModelConfig, policy: Policy, start: Array, layer: Array, q: Array, sink: Array, window: Stored,
+         window_idx: Array, source: SourceKV, positions: Array, ratio: int, topk: Array) -> Array:
+    """The entry ids `[B, S, policy.width(cfg)]` (ascending, −1-padded) a layer reads under `policy`: the
+    model's own `topk` before `start` [B], the policy's from there."""
+    mask = policy.mask(cfg, view(q, sink, window, window_idx, source, positions, ratio), layer, start)
+    width = policy.width(cfg)
+    ids = select_topk(jnp.zeros(mask.shape, jnp.float32), mask, width)
+    own = jnp.pad(topk, [(0, 0), (0, 0), (0, width - topk.shape[-1])], constant_values=-1)
+    return jnp.where((positions >= start[:, None])[..., None], ids, own)
+
+
+def _per_row(start: Array | int, b: int) -> Array:
+    """`start` (an int or [B]) as int32 [B]."""
+    return jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))

@@ -1,0 +1,179 @@
+"""KV-selection baselines at an equal read budget (SPEC §14): what each policy reads, keeps and loses for ever,
+and what that costs in retrieval and in bits per byte.
+
+Every policy of `csa2.selection` runs inside the model (`forward(..., policy=, policy_start=)`, SPEC §8
+numerics, probes on): the positions before `start` are the prefill and read the model's own top-k, the ones
+from `start` on read what the policy chooses, `index_topk` Global entries per step (the budget; PyramidKV: on
+average over layers), next to the sliding window every policy keeps. "csa2" is the model's own indexer.
+
+Measures, over the Global-reading layers and the queries from `start` on that see more entries than the budget
+(`budget_use`): `reads` entries read per step, `kept` the share of visible entries still held (1 for the
+policies that evict nothing), `recall` the share of the layer's dense Global attention mass it read (as in
+`experiments.topk`), `lost` the mass on entries already evicted for ever. Quality (`retrieval`, `bits`): pass
+keys and multi-needle keys read teacher-forced with every answer digit predicted under the policy (`start` = the
+last prompt position), by needle depth: whether the answer steps read the needle's Global entries at all
+(`needle_reads`), the digits right and the answer's bits; bits per byte of held-out text scored from its
+middle on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2 import model, selection
+from csa2.config import ModelConfig
+from csa2.layout import layer_plan
+from csa2.probe import Probe
+from experiments import topk
+from train.data import multi_needle_example, passkey_example
+
+NAMES = ("csa2", "oracle", "streamingllm", "h2o", "snapkv", "pyramidkv", "quest")
+
+
+def policies() -> dict[str, selection.Policy | None]:
+    """Every baseline at its default settings, by name ("csa2": None, the model's own top-k)."""
+    found = {"csa2": None, "oracle": selection.Oracle(), "streamingllm": selection.StreamingLLM(),
+             "h2o": selection.H2O(), "snapkv": selection.SnapKV(), "pyramidkv": selection.PyramidKV(),
+             "quest": selection.Quest()}
+    assert tuple(found) == NAMES
+    return found
+
+
+def run(cfg: ModelConfig, params, tokens, policy: selection.Policy | None, start) -> tuple[np.ndarray, Probe]:
+    """Log-probabilities `[B, S, V]` and every layer's probe record `[L, B, S, ·]` of `tokens [B, S]` under
+    `policy` from position `start` (an int or one per row) on, as host arrays."""
+    logits, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, probe=True, policy=policy,
+                                policy_start=None if policy is None else start)
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1)), jax.tree.map(np.asarray, aux["probe"])
+
+
+def budget_use(cfg: ModelConfig, rec: Probe, policy: selection.Policy | None, start) -> dict[str, float]:
+    """{reads, kept, recall, lost}, means over the Global-reading layers and the queries at positions ≥ `start`
+    that see more entries than `index_topk` (see the module docstring)."""
+    evicts = policy is not None and policy.evicts
+    sums = {k: [] for k in ("reads", "kept", "recall", "lost")}
+    for spec in layer_plan(cfg):
+        if spec.role == "swa":
+            continue
+        mass, ids = rec.mass[spec.index], rec.topk[spec.index]  # [B, S, N], [B, S, K]
+        s = mass.shape[1]
+        visible = np.minimum((np.arange(s) + 1) // spec.ratio, mass.shape[-1])  # [S]
+        where = topk.counted(cfg, spec.index, mass) & (np.arange(s) >= np.reshape(start, (-1, 1)))
+        reads = np.sum(ids >= 0, axis=-1)
+        recall = topk.recall(mass, ids)
+        sums["reads"].append(reads[where])
+        sums["kept"].append((reads / np.maximum(visible, 1) if evicts else np.ones_like(reads, float))[where])
+        sums["recall"].append(recall[where])
+        sums["lost"].append((1.0 - recall if evicts else np.zeros_like(recall))[where])
+    return {k: float(np.mean(np.concatenate(v))) for k, v in sums.items()}
+
+
+def retrieval_examples(length: int, depths, samples: int, *, keys: int = 1, digits: int = 5,
+                       seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`samples` batches of (tokens [len(depths), length + digits − 1], answers [len(depths), digits]): one
+    pass key (`keys` = 1) or `keys` named keys (one queried, all at the row's depth) per row, row i at
+    `depths[i]`; tokens are the prompt and every answer digit but the last (teacher forcing)."""
+    out = []
+    for sample in range(samples):
+        rng = np.random.default_rng([seed, length, keys, sample])
+        pairs = [passkey_example(rng, length, d, digits=digits) if keys == 1
+                 else multi_needle_example(rng, length, keys, [d] * keys, digits=digits) for d in depths]
+        out.append((np.stack([np.concatenate([p, a[:-1]]) for p, a in pairs]), np.stack([a for _, a in pairs])))
+    return out
+
+
+def needle_span(prompt: np.ndarray, answer: np.ndarray) -> tuple[int, int]:
+    """Token positions `[lo, hi)` of the answer's digits inside `prompt` (the needle that holds the key)."""
+    n = len(answer)
+    hits = [i for i in range(len(prompt) - n + 1) if np.array_equal(prompt[i:i + n], answer)]
+    if not hits:
+        raise ValueError(f"needle_span: the answer {answer.tolist()} does not occur in the prompt")
+    return hits[0], hits[0] + n
+
+
+def needle_reads(cfg: ModelConfig, rec: Probe, spans, start: int, n: int) -> np.ndarray:
+    """Per row: the share of (Global-reading layer, answer query at positions `start … start + n − 1`) pairs
+    whose read set holds an entry of the needle (`spans [B]` token ranges; entry i covers tokens
+    `[i·ratio, (i + 1)·ratio)`, SPEC §4). Retrieval through the Global KV needs this; an evicting policy that
+    dropped the needle reads 0."""
+    hits = []
+    for spec in layer_plan(cfg):
+        if spec.role == "swa":
+            continue
+        ids = rec.topk[spec.index][:, start:start + n]  # [B, n, K]
+        lo = np.array([a for a, _ in spans]) // spec.ratio
+        hi = (np.array([b for _, b in spans]) - 1) // spec.ratio
+        inside = (ids >= lo[:, None, None]) & (ids <= hi[:, None, None])
+        hits.append(np.any(inside, axis=-1))  # [B, n]
+    return np.mean(np.stack(hits), axis=(0, 2))
+
+
+def answer_scores(logprobs: np.ndarray, answers: np.ndarray, start: int) -> dict[str, np.ndarray]:
+    """Per row: `exact` (every digit is the argmax = greedy decoding retrieves the key), `digits` (share of
+    digits right, chance 0.1) and `bits` (−log2 p of the answer, per digit), the digits predicted at
+    positions `start …` of `logprobs [B, S, V]`."""
+    n = answers.shape[1]
+    lp = logprobs[:, start:start + n]  # [B, n, V]
+    hit = np.argmax(lp, axis=-1) == answers
+    bits = -np.take_along_axis(lp, answers[..., None], axis=-1)[..., 0] / np.log(2)
+    return {"exact": np.all(hit, axis=1).astype(float), "digits": np.mean(hit, axis=1), "bits": np.mean(bits, axis=1)}
+
+
+def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> float:
+    """Bits per byte (the byte tokenizer: one token per byte) of `targets [B, S]` at positions ≥ `start`."""
+    lp = np.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, S]
+    return float(-np.mean(lp[:, start:]) / np.log(2))
+
+
+def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples: int, text: np.ndarray,
+             keys: int = 2, names=NAMES, log=lambda _: None) -> list[dict]:
+    """The baseline table: one row per (budget, policy) with `budget_use` on the pass-key prompts, pass-key
+    and `keys`-needle scores (means over depths; `by_depth` per depth: {depth: {exact, digits, bits, needle}};
+    `needle` = `needle_reads`), and
+    bits per byte of `text [B = len(depths), length + digits]` scored from its middle on. Every run of one
+    (budget, policy) shares one compiled program (the same shapes; the start is traced)."""
+    passkeys = retrieval_examples(length, depths, samples)
+    needles = retrieval_examples(length, depths, samples, keys=keys)
+    start = length - 1  # every answer digit is predicted under the policy
+    text_start = length // 2
+    rows = []
+    for budget in budgets:
+        at = cfg.replace(index_topk=budget)
+        for name in names:
+            policy = policies()[name]
+            row = {"budget": budget, "policy": name, "evicts": bool(policy is not None and policy.evicts)}
+            uses = []
+            for task, examples in (("passkey", passkeys), ("needles", needles)):
+                scores = []
+                for tokens, answers in examples:
+                    logprobs, rec = run(at, params, tokens, policy, start)
+                    spans = [needle_span(row[:start], a) for row, a in zip(tokens, answers)]
+                    scores.append({**answer_scores(logprobs, answers, start),
+                                   "needle": needle_reads(at, rec, spans, start, answers.shape[1])})
+                    if task == "passkey":
+                        uses.append(budget_use(at, rec, policy, start))
+                merged = {k: np.mean([s[k] for s in scores], axis=0) for k in scores[0]}  # [depths]
+                row.update({f"{task}_{k}": float(np.mean(v)) for k, v in merged.items()})
+                row[f"{task}_by_depth"] = {float(d): {k: float(v[i]) for k, v in merged.items()}
+                                           for i, d in enumerate(depths)}
+            row.update({k: float(np.mean([u[k] for u in uses])) for k in uses[0]})
+            logprobs, _ = run(at, params, text[:, :-1], policy, text_start)
+            row["bpb"] = bits_per_byte(logprobs, text[:, 1:], text_start)
+            log(f"budget {budget} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
+                                                         if isinstance(v, float)))
+            rows.append(row)
+    return rows
+
+
+COLUMNS = ("reads", "kept", "recall", "lost", "passkey_needle", "passkey_digits", "passkey_bits", "needles_needle",
+           "needles_digits", "needles_bits", "bpb")
+
+
+def format_table(rows: list[dict], columns=COLUMNS) -> str:
+    """The table as text, one line per (budget, policy)."""
+    lines = [f"{'budget':>6} {'policy':<13}" + "".join(f"{c:>16}" for c in columns)]
+    for r in rows:
+        lines.append(f"{r['budget']:>6} {r['policy']:<13}" + "".join(f"{r[c]:>16.3f}" for c in columns))
+    return "\n".join(lines)

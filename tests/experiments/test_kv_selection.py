@@ -1,0 +1,93 @@
+"""The KV-selection measures (`experiments.kv_selection`) on hand cases with known answers; the policies
+themselves run in `tests/csa2/test_selection*.py` and the whole table in the notebook's fast run."""
+
+import numpy as np
+import pytest
+
+from csa2 import selection
+from csa2.config import preset
+from csa2.layout import layer_plan
+from csa2.probe import Probe
+from experiments import kv_selection as kv
+
+MINI = preset("mini")  # layer 0 SWA; 1–3 ratio 2; 4–7 ratio 1; index_topk 16
+
+
+def _probe(mass: np.ndarray, topk: np.ndarray) -> Probe:
+    """A record [L, B, S, ·] for MINI with the given mass and reads on every layer."""
+    L = MINI.num_hidden_layers
+    return Probe(mass=np.broadcast_to(mass, (L, *mass.shape)), topk=np.broadcast_to(topk, (L, *topk.shape)),
+                 scan=np.full((L, *topk.shape), -1), pool=np.full((L, *topk.shape[:2], 0), -1))
+
+
+def test_policies_cover_every_name():
+    found = kv.policies()
+    assert tuple(found) == kv.NAMES and found["csa2"] is None
+    assert [found[n].evicts for n in kv.NAMES[1:]] == [False, True, True, True, True, False]
+
+
+def test_needle_span_finds_the_answer_digits():
+    prompt = np.array([9, 1, 2, 3, 4, 1, 2, 5])
+    assert kv.needle_span(prompt, np.array([1, 2, 5])) == (5, 8)
+    assert kv.needle_span(prompt, np.array([1, 2])) == (1, 3)  # the first occurrence
+    with pytest.raises(ValueError, match="does not occur"):
+        kv.needle_span(prompt, np.array([7, 7]))
+
+
+def test_retrieval_examples_hold_their_needle_before_the_question():
+    length, depths = 160, (0.2, 0.8)
+    for keys in (1, 2):
+        (tokens, answers), = kv.retrieval_examples(length, depths, 1, keys=keys)
+        assert tokens.shape == (2, length + 4) and answers.shape == (2, 5)
+        np.testing.assert_array_equal(tokens[:, length:], answers[:, :4])  # teacher forcing
+        spans = [kv.needle_span(row[:length - 1], a) for row, a in zip(tokens, answers)]
+        assert spans[0][0] < spans[1][0]  # depth 0.2 before depth 0.8
+
+
+def test_needle_reads_counts_layers_and_answer_steps_that_read_the_needle():
+    """Needle at tokens [8, 10): ratio-1 entries 8, 9; ratio-2 entry 4. Two answer steps from start 12."""
+    b, s, k = 1, 14, 16
+    topk = np.full((b, s, k), -1)
+    topk[0, 12, 0] = 9  # step 12 reads entry 9: a hit on ratio-1 layers only
+    topk[0, 13, 0] = 4  # step 13 reads entry 4: a hit on ratio-2 layers only
+    rec = _probe(np.zeros((b, s, s)), topk)
+    # Every Global layer (ratio 1 at step 12, ratio 2 at step 13) reads the needle at one of its two steps.
+    np.testing.assert_allclose(kv.needle_reads(MINI, rec, [(8, 10)], 12, 2), [0.5])
+    np.testing.assert_allclose(kv.needle_reads(MINI, rec, [(0, 2)], 12, 2), [0.0])
+
+
+def test_answer_scores_and_bits_per_byte():
+    logprobs = np.log(np.array([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8], [0.2, 0.6, 0.2]]]))  # [1, 3, V=3]
+    out = kv.answer_scores(logprobs, np.array([[2, 1]]), 1)  # positions 1, 2 predict 2 then 1: both right
+    np.testing.assert_allclose(out["exact"], [1.0])
+    np.testing.assert_allclose(out["digits"], [1.0])
+    np.testing.assert_allclose(out["bits"], [-(np.log2(0.8) + np.log2(0.6)) / 2])
+    out = kv.answer_scores(logprobs, np.array([[0, 1]]), 1)
+    np.testing.assert_allclose([out["exact"][0], out["digits"][0]], [0.0, 0.5])
+    assert kv.bits_per_byte(logprobs, np.array([[0, 2, 1]]), 1) == pytest.approx(-(np.log2(0.8) + np.log2(0.6)) / 2)
+
+
+def test_budget_use_on_a_hand_record():
+    """32 visible entries (ratio 1) at the counted queries, budget 16: an evicting policy reading 16 entries
+    holding 0.6 of the mass keeps 16/visible and has lost 0.4; a keeping one keeps all and loses nothing."""
+    b, s = 1, 40
+    mass = np.zeros((b, s, s))
+    mass[..., :10] = 0.06  # 0.6 on entries 0..9
+    mass[..., 20:24] = 0.1  # 0.4 on entries 20..23
+    topk = np.full((b, s, MINI.index_topk), -1)
+    topk[..., :16] = np.arange(16)  # reads 0..15: recall 0.6
+    rec = _probe(mass, topk)
+    start = 35
+    keep = kv.budget_use(MINI, rec, selection.Quest(), start)
+    assert keep == pytest.approx({"reads": 16.0, "kept": 1.0, "recall": 0.6, "lost": 0.0})
+    evict = kv.budget_use(MINI, rec, selection.H2O(), start)
+    readers = [sp for sp in layer_plan(MINI) if sp.role != "swa"]
+    kept = np.mean([16 / ((t + 1) // sp.ratio) for sp in readers for t in range(start, s)
+                    if (t + 1) // sp.ratio > MINI.index_topk])
+    assert evict == pytest.approx({"reads": 16.0, "kept": kept, "recall": 0.6, "lost": 0.4})
+
+
+def test_format_table_has_a_line_per_row():
+    rows = [{"budget": 16, "policy": name, **{c: 0.5 for c in kv.COLUMNS}} for name in kv.NAMES]
+    text = kv.format_table(rows).splitlines()
+    assert len(text) == 1 + len(kv.NAMES) and all(c in text[0] for c in kv.COLUMNS)
