@@ -130,7 +130,7 @@ def attention(
     (an index source with `index_loss` "sparse" or "dense"; 0 otherwise) and, with `probe` = an entry
     width, this layer's `csa2.probe.Probe` (else None). `quantize=False` (float cache only) skips every
     fake-quant. A `policy` (SPEC §14, `csa2.selection`) replaces the Global entries this layer reads from
-    position `policy_start` [B] on; `layer` is this layer's index (may be traced), for per-layer policies.
+    position `policy_start` (an int or one per row [B]) on; `layer` is this layer's index (may be traced), for per-layer policies.
     """
     b, s, _ = x.shape
     chex.assert_shape(x, (b, s, cfg.hidden_size))

@@ -283,8 +283,7 @@ def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = F
     state = init_state(cfg, b, -(-s // granule) * granule, "float")
     p = arrays(params)
     out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, index_loss=index_loss,
-                features=features, probe=probe, policy=policy,
-                policy_start=None if policy is None else jnp.broadcast_to(jnp.asarray(policy_start, jnp.int32), (b,)))
+                features=features, probe=probe, policy=policy, policy_start=policy_start)
     aux = {"load": out.load, "index_kl": out.index_kl, "rows": out.rows}
     if features:
         aux["features"] = out.features

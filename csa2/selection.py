@@ -75,13 +75,10 @@ class View:
                             precision=jax.lax.Precision.HIGHEST) * self.q.shape[-1] ** -0.5
         return jnp.where(self.dense()[:, :, None, :], logits, -jnp.inf)
 
-    def probs(self, read: Array | None = None) -> Array:
-        """Per-head sink-softmax probabilities `[B, S, H, N]` when the window and the entries of `read`
-        `[B, S, N]` (default: every visible entry) are in the softmax; 0 off `read`."""
-        logits = self.logits()
-        if read is not None:
-            logits = jnp.where(read[:, :, None, :], logits, -jnp.inf)
-        return sink_softmax(logits, self.rest)
+    def probs(self) -> Array:
+        """Per-head dense sink-softmax probabilities `[B, S, H, N]`: the window and every visible entry in the
+        softmax (SPEC §3 without top-k)."""
+        return sink_softmax(self.logits(), self.rest)
 
     def mass(self) -> Array:
         """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`csa2.probe`'s mass)."""
@@ -367,12 +364,12 @@ class Quest(Policy):
 def read(cfg: ModelConfig, policy: Policy, start: Array, layer: Array, q: Array, sink: Array, window: Stored,
          window_idx: Array, source: SourceKV, positions: Array, ratio: int, topk: Array) -> Array:
     """The entry ids `[B, S, policy.width(cfg)]` (ascending, −1-padded) a layer reads under `policy`: the
-    model's own `topk` before `start` [B], the policy's from there."""
+    model's own `topk` before `start` (an int or one per row [B]), the policy's from there."""
     mask = policy.mask(cfg, view(q, sink, window, window_idx, source, positions, ratio), layer, start)
     width = policy.width(cfg)
     ids = select_topk(jnp.zeros(mask.shape, jnp.float32), mask, width)
     own = jnp.pad(topk, [(0, 0), (0, 0), (0, width - topk.shape[-1])], constant_values=-1)
-    return jnp.where((positions >= start[:, None])[..., None], ids, own)
+    return jnp.where((positions >= _per_row(start, positions.shape[0])[:, None])[..., None], ids, own)
 
 
 def _per_row(start: Array | int, b: int) -> Array:

@@ -143,7 +143,7 @@ class Context:
     index_loss: str | None
     probe: int | None = None
     policy: Policy | None = None
-    policy_start: Array | None = None  # [B]
+    policy_start: Array | None = None  # an int or one per row [B]
 
 
 def take_rows(x: Array, rows: Array) -> Array:
@@ -373,7 +373,7 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     `extend` (None: the chunk is the whole extend). `features`: also collect the DSpark target features
     of the rows that reach the head (SPEC §12). `probe`: every layer records its `csa2.probe.Probe`
     (exact mode only: every layer sees every row). `policy`: a KV-selection baseline replaces what every
-    Global-reading layer reads from position `policy_start` [B] on (SPEC §14, `csa2.selection`; exact mode).
+    Global-reading layer reads from position `policy_start` (int or [B]) on (SPEC §14, `csa2.selection`).
 
     Three segments: before the split every row runs with no floor; at the split the flow enters the
     decoder tail (bounded replay only; inside the split layer when it compresses, before it otherwise);

@@ -24,6 +24,7 @@ import numpy as np
 
 from csa2 import model, selection
 from csa2.config import ModelConfig
+from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
 from csa2.probe import Probe
 from experiments import topk
@@ -59,7 +60,7 @@ def budget_use(cfg: ModelConfig, rec: Probe, policy: selection.Policy | None, st
             continue
         mass, ids = rec.mass[spec.index], rec.topk[spec.index]  # [B, S, N], [B, S, K]
         s = mass.shape[1]
-        visible = np.minimum((np.arange(s) + 1) // spec.ratio, mass.shape[-1])  # [S]
+        visible = np.asarray(visible_entries(np.arange(s), spec.ratio))  # [S]
         where = topk.counted(cfg, spec.index, mass) & (np.arange(s) >= np.reshape(start, (-1, 1)))
         reads = np.sum(ids >= 0, axis=-1)
         recall = topk.recall(mass, ids)

@@ -128,14 +128,15 @@ def test_sink_softmax_has_rest_in_the_denominator():
 
 
 def test_view_probs_and_mass():
-    """`View.logits` is −inf off visible; `probs` restricts to `read`; `mass` is the head mean of dense probs."""
+    """`View.logits` is −inf off visible; a `read` mask restricts the softmax; `mass` is the head mean of dense probs."""
     lg = np.array([[[0.0, np.log(3.0), 5.0], [np.log(2.0), 0.0, 5.0]]])  # S=1, H=2, N=3; entry 2 invisible
     v = make_view(lg, [2], rest=[[0.0, np.log(1.0)]])
     assert np.isneginf(np.asarray(v.logits())[0, 0, :, 2]).all()
     np.testing.assert_allclose(np.asarray(v.probs())[0, 0], [[1 / 5, 3 / 5, 0], [2 / 4, 1 / 4, 0]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(v.mass())[0, 0], [(1 / 5 + 2 / 4) / 2, (3 / 5 + 1 / 4) / 2, 0], rtol=1e-6)
     read = jnp.array([[[False, True, True]]])
-    np.testing.assert_allclose(np.asarray(v.probs(read))[0, 0], [[0, 3 / 4, 0], [0, 1 / 2, 0]], rtol=1e-6)
+    sparse = sink_softmax(jnp.where(read[:, :, None, :], v.logits(), -jnp.inf), v.rest)  # as H2O reads
+    np.testing.assert_allclose(np.asarray(sparse)[0, 0], [[0, 3 / 4, 0], [0, 1 / 2, 0]], rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
