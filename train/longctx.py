@@ -34,6 +34,7 @@ import pathlib
 import time
 from typing import Callable, Iterator
 
+import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -250,12 +251,16 @@ def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = No
     A finished run in `path` (its accuracy.json written) is restored without training; otherwise the
     recipe trains there first, resuming a partial run. `fast` (default: CSA2_FAST=1) selects `FAST`
     and `runs/longctx-fast`; `path` defaults to `runs/longctx`; `recipe` overrides both defaults' recipe.
+    Processes that ask for the same `path` at once (notebooks, parallel test workers) take turns on a
+    lock file beside it, so one trains and the others restore what it wrote.
     """
     fast = fast_mode(fast)
     recipe = recipe or (FAST if fast else RECIPE_DEFAULT)
     out = pathlib.Path(path or (FAST_DIR if fast else DEFAULT_DIR))
-    _check_recipe(out, recipe)
-    if not (out / ACCURACY).exists():
-        return run(recipe, out, log=log)
-    cfg, params = ckpt.restore_params(out)
-    return cfg, params, json.loads((out / ACCURACY).read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(out.parent / f".{out.name}.lock"):
+        _check_recipe(out, recipe)
+        if not (out / ACCURACY).exists():
+            return run(recipe, out, log=log)
+        cfg, params = ckpt.restore_params(out)
+        return cfg, params, json.loads((out / ACCURACY).read_text())

@@ -4,7 +4,9 @@
 import dataclasses
 import json
 import re
+import threading
 
+import filelock
 import jax
 import numpy as np
 import pytest
@@ -106,6 +108,23 @@ def test_checkpoint_is_built_once_then_restored(built, monkeypatch):
     cfg2, params2, report2 = longctx.checkpoint(out, fast=True)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == files
     assert cfg2 == cfg and report2 == report
+    for a, b in zip(_leaves(params), _leaves(params2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_waits_for_the_process_that_holds_its_lock(built):
+    """A caller arriving while another process builds the run (holding the lock beside it) waits for it, then
+    restores what that process wrote."""
+    out, (_, params, report) = built
+    got = {}
+    with filelock.FileLock(out.parent / f".{out.name}.lock"):
+        caller = threading.Thread(target=lambda: got.update(result=longctx.checkpoint(out, fast=True)))
+        caller.start()
+        caller.join(timeout=1.0)
+        assert caller.is_alive() and not got
+    caller.join()
+    _, params2, report2 = got["result"]
+    assert report2 == report
     for a, b in zip(_leaves(params), _leaves(params2), strict=True):
         np.testing.assert_array_equal(a, b)
 
