@@ -243,6 +243,11 @@ def _check_recipe(out: pathlib.Path, recipe: LongCtxRecipe) -> None:
                          f"delete {out} or pass another path")
 
 
+def lock(out: pathlib.Path) -> filelock.FileLock:
+    """The lock file beside the run directory `out` that `checkpoint` holds while it checks, trains or restores."""
+    return filelock.FileLock(out.parent / f".{out.name}.lock")
+
+
 def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = None,
                recipe: LongCtxRecipe | None = None,
                log: Callable[[str], None] = print) -> tuple[ModelConfig, object, dict]:
@@ -258,7 +263,7 @@ def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = No
     recipe = recipe or (FAST if fast else RECIPE_DEFAULT)
     out = pathlib.Path(path or (FAST_DIR if fast else DEFAULT_DIR))
     out.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(out.parent / f".{out.name}.lock"):
+    with lock(out):
         _check_recipe(out, recipe)
         if not (out / ACCURACY).exists():
             return run(recipe, out, log=log)

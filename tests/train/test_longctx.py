@@ -6,7 +6,6 @@ import json
 import re
 import threading
 
-import filelock
 import jax
 import numpy as np
 import pytest
@@ -112,17 +111,23 @@ def test_checkpoint_is_built_once_then_restored(built, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-def test_checkpoint_waits_for_the_process_that_holds_its_lock(built):
-    """A caller arriving while another process builds the run (holding the lock beside it) waits for it, then
-    restores what that process wrote."""
+def test_checkpoint_waits_for_the_process_that_holds_its_lock(built, monkeypatch):
+    """A caller arriving while another process builds the run (holding the lock beside it) does not even start
+    to restore until the lock is released, then restores what that process wrote."""
     out, (_, params, report) = built
-    got = {}
-    with filelock.FileLock(out.parent / f".{out.name}.lock"):
+    restore, started, got = longctx.ckpt.restore_params, threading.Event(), {}
+
+    def spied(*args, **kwargs):
+        started.set()
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(longctx.ckpt, "restore_params", spied)
+    with longctx.lock(out):
         caller = threading.Thread(target=lambda: got.update(result=longctx.checkpoint(out, fast=True)))
         caller.start()
-        caller.join(timeout=1.0)
-        assert caller.is_alive() and not got
+        assert not started.wait(timeout=1.0)  # without the lock, restoring starts within microseconds
     caller.join()
+    assert started.is_set()
     _, params2, report2 = got["result"]
     assert report2 == report
     for a, b in zip(_leaves(params), _leaves(params2), strict=True):
