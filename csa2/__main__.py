@@ -1,5 +1,5 @@
 import sys
 
-from csa2.inspect import main
+from csa2.cli import main
 
 sys.exit(main())

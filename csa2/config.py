@@ -355,6 +355,28 @@ _HF_IGNORED = {
 }
 
 
+# Released keys spelled differently from the field they set.
+_HF_RENAMED = {"engram_pad_token_id": "engram_pad_id"}
+
+
+def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The released `text_config` of `cfg` (what `from_hf_config` reads back to an equal config, up to
+    the framework fields): released key names, `rope_scaling` as a YaRN dict, one trailing 0 in
+    `compress_ratios` per draft layer."""
+    out: dict[str, Any] = {"model_type": "deepseek_v41_text", **_HF_FIXED}
+    spelled = {field: key for key, field in _HF_RENAMED.items()}
+    for name in fields_of(RELEASED):
+        value = getattr(cfg, name)
+        if name == "rope_scaling":
+            value = {"rope_type": "yarn", **dataclasses.asdict(value)}
+        elif name == "compress_ratios":
+            value = list(value) + [0] * cfg.num_nextn_predict_layers
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[spelled.get(name, name)] = value
+    return out
+
+
 def from_hf_config(d: Mapping[str, Any], **framework: Any) -> ModelConfig:
     """Build a config from a released `config.json` dict (`text_config` or flat).
 
@@ -367,6 +389,9 @@ def from_hf_config(d: Mapping[str, Any], **framework: Any) -> ModelConfig:
     framework_fields = set(fields_of(VARIANT, RUNTIME))
     kwargs: dict[str, Any] = {}
     for key, value in d.items():
+        key = _HF_RENAMED.get(key, key)
+        if key in kwargs:
+            raise ValueError(f"config.json sets {key!r} twice (as {key!r} and as its released spelling); keep one")
         if key in _HF_FIXED:
             if value != _HF_FIXED[key]:
                 raise ValueError(f"config.json {key}={value!r}: csa2 implements only {key}={_HF_FIXED[key]!r} (V4.1)")

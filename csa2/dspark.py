@@ -52,7 +52,7 @@ def draft_moe_config(cfg: ModelConfig) -> ModelConfig:
                        num_experts_per_tok=cfg.dspark_num_experts_per_tok)
 
 
-def _stage_spec(cfg: ModelConfig, stage: int) -> LayerSpec:
+def stage_spec(cfg: ModelConfig, stage: int) -> LayerSpec:
     """A draft stage's attention is SWA-only (ratio 0): no compressor, no indexer."""
     return LayerSpec(index=cfg.num_hidden_layers + stage, role="swa", ratio=0, kv_source=None, index_source=None,
                      is_encoder=False, has_engram=False, uses_candidates=False, is_candidate_source=False)
@@ -65,7 +65,7 @@ class DraftStage(nnx.Module):
         d = cfg.hidden_size
         self.attn_hc = mhc.HyperConnection(cfg, rngs)
         self.attn_norm = ones((d,), ("embed",))
-        self.attn = Attention(cfg, _stage_spec(cfg, stage), rngs)
+        self.attn = Attention(cfg, stage_spec(cfg, stage), rngs)
         self.ffn_hc = mhc.HyperConnection(cfg, rngs)
         self.ffn_norm = ones((d,), ("embed",))
         self.moe = MoE(draft_moe_config(cfg), rngs)

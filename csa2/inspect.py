@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from csa2.config import PRESETS, preset
 from csa2.layout import format_groups, format_plan, layer_groups, layer_plan
@@ -47,18 +46,11 @@ def inspect_report(name: str, context: int, batch: int = 1, cache_format: str = 
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m csa2")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """Register `inspect` on the `python -m csa2` command line (`csa2.cli`)."""
     p = sub.add_parser("inspect", help="print the layer plan and the state memory table")
     p.add_argument("--preset", default="v41_flash", choices=PRESETS)
     p.add_argument("--context", type=int, default=1 << 20, help="tokens per row (capacity)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--format", default="fp4", choices=CACHE_FORMATS, dest="cache_format")
-    args = parser.parse_args(argv)
-    try:
-        print(inspect_report(args.preset, args.context, args.batch, args.cache_format))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    p.set_defaults(run=lambda args: print(inspect_report(args.preset, args.context, args.batch, args.cache_format)))

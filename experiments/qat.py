@@ -14,7 +14,7 @@ import pathlib
 
 import numpy as np
 
-from csa2 import checkpoint
+from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
 from train.longctx import LongCtxRecipe, passkey_accuracy
 from train.loop import evaluate, train

@@ -61,7 +61,7 @@ def _main(args) -> None:
     texts = _prompts(args)
     import jax
 
-    from csa2.checkpoint import load_config, restore_params
+    from csa2.checkpoints.native import load_config, restore_params
     from csa2.replay import EXACT, ReplayPolicy
     from csa2.tokenizer import decode, encode
     from infer.generate import Sampling, lower, plan, run

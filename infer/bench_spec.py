@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import checkpoint, model
+from csa2 import model
+from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
 from csa2.tokenizer import encode
 from csa2.state import init_state, token_granule

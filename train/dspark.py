@@ -29,9 +29,9 @@ step k are pure functions of (seed, k) and a resumed run is the run that never s
   the window. Both are *teacher-forced* estimates: every slot sees the true previous token, whereas
   at inference a slot after a rejection never runs. `ece` is the expected calibration error of the
   confidence c_k against α_k (10 equal-width bins).
-- **Checkpoints** hold the drafter alone (`csa2.checkpoint.save_drafter`, with the model config, the
+- **Checkpoints** hold the drafter alone (`csa2.checkpoints.native.save_drafter`, with the model config, the
   optimizer state and the RNG); inference puts it into the backbone's params with
-  `csa2.checkpoint.with_drafter` / `restore_with_drafter`.
+  `csa2.checkpoints.native.with_drafter` / `restore_with_drafter`.
 
 `adapt` is the library entry (the CLI and `make demo` call it); bad input raises ValueError naming the
 field, its value and the fix.
@@ -56,7 +56,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from csa2 import checkpoint, dspark, model
+from csa2 import dspark, model
+from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
 from csa2.params import arrays
 from train.data import batches

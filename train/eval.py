@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from csa2 import checkpoint
+from csa2.checkpoints import native as checkpoint
 from train.data import load_corpus
 from train.loop import evaluate
 

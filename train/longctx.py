@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import checkpoint as ckpt
+from csa2.checkpoints import native as ckpt
 from csa2 import model
 from csa2.config import ModelConfig, preset
 from train.data import load_corpus, multi_needle_example, passkey_example

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2.config import ModelConfig
-from csa2 import checkpoint
+from csa2.checkpoints import native as checkpoint
 from train.data import batches, eval_batches
 from train.step import TrainConfig, TrainState, eval_loss, init_train_state, train_step
 

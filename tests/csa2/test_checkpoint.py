@@ -1,4 +1,4 @@
-"""csa2.checkpoint: bit-identical round trips, retention, step selection, config, layout and input checks."""
+"""csa2.checkpoints.native: bit-identical round trips, retention, step selection, config, layout and input checks."""
 
 import json
 
@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from csa2 import checkpoint
+from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig, preset
 from csa2.model import abstract_params
 from csa2.moe import RouterBias

@@ -6,12 +6,14 @@ import dataclasses
 import functools
 import pathlib
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import csa2.config
-from csa2.config import (PRESETS, RELEASED, RUNTIME, VARIANT, ModelConfig, fields_of, from_hf_config,
+from csa2.config import (PRESETS, RELEASED, RUNTIME, VARIANT, ModelConfig, fields_of, from_hf_config, to_hf_config,
                          model_differences, preset, validate)
 
 V41_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
@@ -395,6 +397,23 @@ def test_from_hf_config_nested_equals_preset():
     d = {"architectures": ["DeepseekV41ForConditionalGeneration"], "model_type": "deepseek_v41",
          "torch_dtype": "bfloat16", "text_config": released_text_config()}
     assert from_hf_config(d) == preset("v41_flash")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_to_hf_config_reads_back_to_the_same_config(name):
+    cfg = preset(name)
+    text = to_hf_config(cfg)
+    assert text["engram_pad_token_id"] == cfg.engram_pad_id and "engram_pad_id" not in text
+    assert len(text["compress_ratios"]) == cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    assert from_hf_config(json.loads(json.dumps(text)), dtype=cfg.dtype, max_draft=cfg.max_draft) == cfg
+
+
+def test_from_hf_config_reads_the_released_spelling_of_the_engram_pad_id():
+    d = released_text_config()
+    d.pop("engram_pad_id")  # the HF port's spelling; the release spells it engram_pad_token_id
+    assert from_hf_config({**d, "engram_pad_token_id": 7}).engram_pad_id == 7
+    with pytest.raises(ValueError, match="sets 'engram_pad_id' twice"):
+        from_hf_config({**d, "engram_pad_token_id": 7, "engram_pad_id": 7})
 
 
 def test_from_hf_config_framework_fields():

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from csa2.inspect import inspect_report, main
+from csa2.cli import main
+from csa2.inspect import inspect_report
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 ROW = re.compile(r"^\s*(\d+)\s+(swa|full|reindex|reuse)\s+(\d+)\s+(\S+)\s+(\S+)\s+(encoder|decoder)\b\s*(.*)$")

@@ -17,7 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from csa2 import checkpoint, model
+from csa2 import model
+from csa2.checkpoints import native as checkpoint
 from csa2.config import PAD_ID, preset
 from csa2.sampling import nucleus
 from csa2.state import init_state

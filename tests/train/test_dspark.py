@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from csa2 import checkpoint, model
+from csa2 import model
+from csa2.checkpoints import native as checkpoint
 from csa2.config import preset
 from csa2.moe import RouterBias
 from train import dspark

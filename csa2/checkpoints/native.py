@@ -70,7 +70,7 @@ def _check_config(stored: ModelConfig, requested: ModelConfig, directory, step: 
              for name in model_differences(stored, requested)]
     if diffs:
         raise ValueError(f"checkpoint {directory} step {step}: checkpoint config differs: " + ", ".join(diffs)
-                         + "; restore with the checkpoint's config (csa2.checkpoint.load_config) or train a new run")
+                         + "; restore with the checkpoint's config (csa2.checkpoints.native.load_config) or train a new run")
 
 
 def _to_json(x: Any) -> Any:
@@ -139,7 +139,7 @@ def _meta(mngr: ocp.CheckpointManager, step: int) -> dict:
     layout = meta.get("layout", 1)
     if layout != LAYOUT:
         raise ValueError(f"checkpoint {mngr.directory} step {step}: parameters in layout {layout}, this csa2 reads "
-                         f"layout {LAYOUT} (nnx modules stacked by layer group, see csa2.checkpoint); restore it with "
+                         f"layout {LAYOUT} (nnx modules stacked by layer group, see csa2.checkpoints.native); restore it with "
                          "the csa2 version that wrote it, or train again")
     return meta
 

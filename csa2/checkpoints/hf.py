@@ -1,0 +1,285 @@
+"""Load and save checkpoints in the released DeepSeek-V4.1 layout: `config.json` + safetensors shards.
+
+- `load_hf(path, cfg=None, *, dtype)`: the config from `config.json` (`from_hf_config`; a `cfg` you pass
+  must agree with it on every released field), then every tensor of `released.tensors(cfg)`, one at a
+  time: read lazily (`Shards`), decoded from its stored format into float32 (`weights`: FP8 32×32
+  blocks, packed FP4 experts, FP8 Engram rows; a float tensor of any float dtype is cast), laid out
+  as its parameter (`released.to_param`) and written into a preallocated stacked leaf of `dtype`.
+  Nothing but the leaves and the tensor in hand is held, so the memory beyond the parameters stays
+  bounded by a few copies of the largest tensor (`read_hf` reports the peak). The storage format is
+  read from the files (a `<base>.scale` beside a payload means quantized), not assumed.
+- `save_hf(params, cfg, path, *, dtype, formats)`: the inverse: `config.json` (`to_hf_config` plus
+  `engram_num_embeddings`) and shards with every tensor under its released name, in float
+  (`formats="float"`, `dtype` float32 or bfloat16) or in the release's own storage formats
+  (`formats="released"`: FP8 blocks, FP4 experts, FP8 Engram rows, BF16/F32 elsewhere).
+- `dry_run(cfg)`: every released tensor name with the parameter it becomes, from shapes alone.
+
+A checkpoint's tensors must match the config exactly: a tensor the map does not know (other than the
+vision tower, skipped with its reason), a missing one, a wrong shape, or a payload without its scale
+raise `ValueError` naming the tensor. With a mesh, placement waits for the sharding rules (issue 12):
+`load_hf` returns host-committed arrays that `jax.device_put` can shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from csa2.checkpoints import released, shards as shards_lib, weights
+from csa2.checkpoints.released import Tensor
+from csa2.config import ModelConfig, from_hf_config, model_differences, to_hf_config
+from csa2.engram import engram_table_rows
+from csa2.model import abstract_params
+
+CONFIG = "config.json"
+_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What a load or save did: tensors, bytes read or written, skipped names, wall time and, for a load,
+    the peak host memory above the parameters (bounded by a few copies of the largest tensor)."""
+
+    tensors: int
+    bytes: int
+    skipped: tuple[str, ...]
+    seconds: float
+    transient_bytes: int  # peak host memory (traced allocations, numpy included) above the parameters, while reading
+    param_bytes: int  # bytes of the parameters built or written
+    largest_tensor_bytes: int  # float32 bytes of the largest released tensor
+
+    def format(self, verb: str) -> str:
+        mb = 1 << 20
+        line = f"{verb} {self.tensors} tensors, {self.bytes / mb:.1f} MiB in {self.seconds:.1f} s; parameters {self.param_bytes / mb:.1f} MiB"
+        if self.largest_tensor_bytes:
+            line += (f"; peak host memory above them {self.transient_bytes / mb:.2f} MiB "
+                     f"(largest tensor, float32: {self.largest_tensor_bytes / mb:.2f} MiB)")
+        return line + (f"; skipped {len(self.skipped)} (vision)" if self.skipped else "")
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: parameters are float32 or bfloat16; pass one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def read_config(path: str | os.PathLike, cfg: ModelConfig | None = None) -> ModelConfig:
+    """The model config of the checkpoint at `path`; `cfg`, if given, must agree on every released field."""
+    file = Path(path) / CONFIG
+    if not file.exists():
+        raise ValueError(f"{path}: no {CONFIG}; a released checkpoint directory holds config.json beside its shards")
+    d = json.loads(file.read_text())
+    text = d.get("text_config", d)
+    framework = {} if cfg is None else {k: getattr(cfg, k) for k in ("dtype", "kernel_impl", "max_draft", "mhc_single_pass")}
+    stored = from_hf_config(text, **framework)
+    if cfg is not None and model_differences(cfg, stored):
+        diffs = ", ".join(f"{k}: config.json {getattr(stored, k)!r} vs cfg {getattr(cfg, k)!r}" for k in model_differences(cfg, stored))
+        raise ValueError(f"{file} does not describe cfg ({diffs}); load with cfg=None to take the checkpoint's config")
+    rows = text.get("engram_num_embeddings")
+    if rows is not None:
+        want = [engram_table_rows(stored, layer) for layer in stored.engram_layer_ids]
+        if list(rows) != want:
+            raise ValueError(f"{file}: engram_num_embeddings={list(rows)}, but the prime layout of SPEC §10b gives {want} "
+                             "for this config (engram_vocab_size, engram_n_heads, engram_max_ngram_size, engram_layer_ids)")
+    return cfg if cfg is not None else stored
+
+
+def hf_config(cfg: ModelConfig, quantized: bool) -> dict:
+    """The `config.json` that `save_hf` writes (a composite with `text_config`, like the release)."""
+    text = to_hf_config(cfg)
+    text["engram_num_embeddings"] = [engram_table_rows(cfg, layer) for layer in cfg.engram_layer_ids]
+    out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "text_config": text}
+    if quantized:
+        out["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [weights.TILE, weights.TILE], "scale_fmt": "ue8m0",
+                                      "expert_dtype": "fp4"}
+    return out
+
+
+def _check_names(store: shards_lib.Shards, table: tuple[Tensor, ...]) -> tuple[str, ...]:
+    """Refuse unknown and missing tensors; return the skipped names."""
+    expected = {t.name for t in table}
+    scales = {t.name[: -len(".weight")] + ".scale": t.name for t in table if t.name.endswith(".weight")}
+    skipped, unknown = [], []
+    for name in store.names():
+        if name in expected:
+            continue
+        if name in scales:
+            if scales[name] not in store:
+                raise ValueError(f"tensor {name!r} is a scale without its payload {scales[name]!r}")
+            continue
+        (skipped if released.skip_reason(name) else unknown).append(name)
+    if unknown:
+        raise ValueError(f"the checkpoint has {len(unknown)} tensor(s) this config has no parameter for, e.g. {unknown[:4]}; "
+                         "a config/weights mismatch (check num_hidden_layers, the layer roles, n_routed_experts, "
+                         "num_nextn_predict_layers)")
+    missing = [t.name for t in table if t.name not in store]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:4]}")
+    return tuple(skipped)
+
+
+def _decoded(store: shards_lib.Shards, t: Tensor) -> np.ndarray:
+    """float32 logical value of released tensor `t`, in whatever format the files hold it."""
+    stored, scale_name = store.dtype(t.name), t.name[: -len(".weight")] + ".scale"
+    if scale_name in store and t.name.endswith(".weight"):
+        payload, scale = store.read(t.name), store.read(scale_name)
+        if stored == "I8" or stored == "U8":
+            fmt = weights.FP4
+        elif stored == "F8_E4M3":  # one scale per row (Engram tables) or per 32×32 tile (projections)
+            fmt = weights.FP8_ROWS if scale.shape[:1] == payload.shape[:1] else weights.FP8_BLOCK
+        else:
+            raise ValueError(f"tensor {t.name!r}: payload dtype {stored} beside a scale; quantized weights are "
+                             "F8_E4M3 (FP8) or I8 (packed FP4)")
+        return weights.decode(fmt, payload, scale, t.name)
+    if stored not in _FLOATS:
+        raise ValueError(f"tensor {t.name!r}: dtype {stored} without a {scale_name!r}; a quantized weight needs its scale")
+    return np.asarray(store.read(t.name), np.float32)
+
+
+def _progress(items, what: str, show: bool):
+    if not show:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=what, unit="tensor")
+
+
+def _leaves(cfg: ModelConfig, dtype: np.dtype) -> dict:
+    """Empty host leaves of every parameter, in the pure-dict structure of `init_params(cfg)`."""
+    return jax.tree.map(lambda a: np.empty(a.shape, dtype), nnx.to_pure_dict(abstract_params(cfg)))
+
+
+def _slot(tree: dict, t: Tensor) -> np.ndarray:
+    leaf = tree
+    for key in t.path:
+        leaf = leaf[key]
+    return leaf
+
+
+def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: Any = "float32",
+            progress: bool = False) -> tuple[ModelConfig, dict, Summary]:
+    """`(cfg, parameters as a pure dict of numpy arrays, Summary)` of the released checkpoint at `path`."""
+    target = _dtype(dtype)
+    start = time.perf_counter()
+    cfg = read_config(path, cfg)
+    store = shards_lib.Shards(path)
+    table = released.tensors(cfg)
+    skipped = _check_names(store, table)
+    tree = _leaves(cfg, target)
+    filled = {id(leaf): 0 for leaf in jax.tree.leaves(tree)}
+    largest = 0
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        for t in _progress(table, f"load {Path(path).name}", progress):
+            packed = store.dtype(t.name) in ("I8", "U8")
+            want = weights.FP4.stored_shape(t.shape) if packed and len(t.shape) == 2 else t.shape
+            if store.shape(t.name) != want:
+                raise ValueError(f"tensor {t.name!r}: stored shape {store.shape(t.name)} ({store.dtype(t.name)}); "
+                                 f"the config expects {want} (logical {t.shape})")
+            value = _decoded(store, t)
+            largest = max(largest, value.nbytes)
+            leaf = _slot(tree, t)
+            leaf[t.index] = released.to_param(t, value)
+            filled[id(leaf)] += value.size
+            del value
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if filled[id(leaf)] != leaf.size:
+            raise ValueError(f"parameter {jax.tree_util.keystr(p)} got {filled[id(leaf)]} of its {leaf.size} values "
+                             "from the checkpoint; the name map does not cover it")
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+    return cfg, tree, Summary(len(table), store.bytes_read, skipped, time.perf_counter() - start, peak, param_bytes, largest)
+
+
+def load_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: Any = "float32",
+            progress: bool = False) -> tuple[ModelConfig, nnx.State]:
+    """`(cfg, params)`: the released checkpoint at `path` as the `nnx.State` of `model.init_params(cfg)`,
+    every leaf in `dtype` (float32, the framework's parameter dtype, or bfloat16)."""
+    cfg, tree, _ = read_hf(path, cfg, dtype=dtype, progress=progress)
+    return cfg, as_params(cfg, tree)
+
+
+def as_params(cfg: ModelConfig, tree: dict) -> nnx.State:
+    """The `nnx.State` of `init_params(cfg)` holding the host leaves of `tree` (consumed: each leaf is
+    replaced by its device array as it goes, so the host copy can be freed leaf by leaf)."""
+    def put(node: dict) -> dict:
+        for key, value in node.items():
+            node[key] = put(value) if isinstance(value, dict) else jax.device_put(value)
+        return node
+
+    params = abstract_params(cfg)
+    nnx.replace_by_pure_dict(params, put(tree))
+    return params
+
+
+def _released_tensors(cfg: ModelConfig, tree: dict, dtype: np.dtype, quantize: bool,
+                      progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    table = released.tensors(cfg)
+    for t in _progress(table, "save", progress):
+        x = released.from_param(t, np.asarray(_slot(tree, t)[t.index], np.float32))
+        if quantize and t.fmt is not None:
+            payload, scale = weights.encode(t.fmt, x)
+            yield t.name, payload
+            yield t.scale_name, scale
+        elif quantize:
+            yield t.name, x.astype(shards_lib.DTYPES[t.dtype])
+        else:
+            yield t.name, x.astype(dtype)
+
+
+def save_hf(params: nnx.State, cfg: ModelConfig, path: str | os.PathLike, *, dtype: Any = "float32",
+            formats: str = "float", max_shard_bytes: int = 4 << 30, progress: bool = False) -> Summary:
+    """Write `params` in the released layout under `path` (created; existing shards of the same names replaced).
+
+    `formats="float"`: every tensor in `dtype` (float32 round-trips bit for bit); `formats="released"`:
+    the release's storage (FP8 blocks, FP4 experts, FP8 Engram rows with UE8M0 scales; BF16/F32 floats).
+    """
+    if formats not in ("float", "released"):
+        raise ValueError(f"formats={formats!r}: use 'float' (plain float tensors) or 'released' (FP8/FP4 as released)")
+    target = _dtype(dtype)
+    start = time.perf_counter()
+    tree = jax.tree.map(np.asarray, nnx.to_pure_dict(params))  # host views: slicing them costs no dispatch
+    want = jax.tree.map(lambda a: a.shape, nnx.to_pure_dict(abstract_params(cfg)))
+    got = jax.tree.map(lambda a: a.shape, tree)
+    if want != got:
+        raise ValueError("params do not have the parameter structure of cfg (model.init_params(cfg)); "
+                         "pass the config the parameters were built with")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG).write_text(json.dumps(hf_config(cfg, formats == "released"), indent=1))
+    weight_map = shards_lib.write_shards(path, _released_tensors(cfg, tree, target, formats == "released", progress),
+                                         max_shard_bytes=max_shard_bytes)
+    written = sum(os.path.getsize(path / f) for f in set(weight_map.values()))
+    return Summary(len(weight_map), written, (), time.perf_counter() - start, 0,
+                   sum(a.nbytes for a in jax.tree.leaves(tree)), 0)
+
+
+def dry_run(cfg: ModelConfig) -> list[str]:
+    """One line per released tensor of `cfg`: name, stored dtype and shape, and the parameter it becomes."""
+    lines = []
+    for t in released.tensors(cfg):
+        where = "/".join(map(str, t.path)) + (str(list(t.index)) if t.index else "")
+        stored = f"{t.dtype} {list(t.fmt.stored_shape(t.shape)) if t.fmt else list(t.shape)}"
+        scale = f" + {t.scale_name} F8_E8M0 {list(t.fmt.scale_shape(t.shape))}" if t.fmt else ""
+        lines.append(f"{t.name}  {stored}{scale}  → {where} ({t.layout})")
+    return lines
