@@ -20,6 +20,7 @@ from typing import Any, Mapping
 RELEASED, VARIANT, RUNTIME = "released", "variant", "runtime"
 _DTYPES = ("float32", "bfloat16")
 _KERNEL_IMPLS = ("xla", "pallas")
+ENGRAM_TABLE_FORMATS = ("float", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,7 @@ class ModelConfig:
     kernel_impl: str = _framework("xla", RUNTIME)  # "xla" | "pallas" (DESIGN §4)
     max_draft: int = _framework(5, RUNTIME)  # most drafts a verify block carries (γ); SWA rings hold W + max_draft slots
     mhc_single_pass: bool = _framework(True, VARIANT)  # SPEC §10: V4.1 collapses each site with the previous site's pre
+    engram_table_format: str = _framework("float", VARIANT)  # "float" (trainable) | "fp8": FP8 rows as released (SPEC §10b)
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
@@ -276,6 +278,11 @@ def validate(cfg: ModelConfig) -> None:
         bound = (2**63 - 1) // cfg.engram_compressed_vocab_size // 2
         if bound < 1:
             _fail("engram_compressed_vocab_size", cfg.engram_compressed_vocab_size, "too large for 63-bit hash multipliers")
+    if cfg.engram_table_format not in ENGRAM_TABLE_FORMATS:
+        _fail("engram_table_format", cfg.engram_table_format, f"use one of {ENGRAM_TABLE_FORMATS}")
+    if cfg.engram_table_format == "fp8" and cfg.engram_head_dim % 32:
+        _fail("engram_table_format", cfg.engram_table_format, f"FP8 rows carry one scale per 32 values: engram_head_dim="
+              f"{cfg.engram_head_dim} must be a multiple of 32 (or keep the table in 'float')")
 
     # DSpark / speculative verify (SPEC §12)
     if cfg.num_nextn_predict_layers and cfg.max_draft < cfg.dspark_block_size:

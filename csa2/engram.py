@@ -3,7 +3,8 @@
 Hashing (V4.1 `DeepseekV41NgramHashState`)
 ------------------------------------------
 Tokens are ids of the compressed Engram vocabulary `[0, V_c)`, `V_c = engram_compressed_vocab_size`
-(identity for a byte vocabulary); positions before the sequence start hold `engram_pad_id`.
+(token ids mapped by `csa2.engram_vocab`; the identity for a byte vocabulary); positions before the
+sequence start hold `engram_pad_id` (mapped likewise).
 For position t, n-gram size n ∈ 2..N (`N = engram_max_ngram_size`) and head j:
 
     h[t, n, j] = (XOR_{i<n} tok_{t−i} · m_i)  mod  p_{layer, n, j}  +  offset_{n, j}
@@ -44,6 +45,9 @@ Everything is elementwise uint32 with static shapes and static primes/multiplier
 
 Gated write (V4.1 `DeepseekV41Engram`)
 --------------------------------------
+Tables: float32 parameters (`engram_table_format="float"`, trainable), or packed as the release stores
+them (`"fp8"`: e4m3 rows with one UE8M0 scale per 32 values, ~1/4 of the memory; the rows a step
+reads are gathered as bits and decoded after the gather, never the whole table).
 The (N−1)·H rows `[engram_head_dim]` are gathered and concatenated, `wkv` `[(N−1)·H·hd, (hc+1)·d]`
 projects them, keys first (`hc` keys of d, stream-major) then the shared value (d). Per stream k,
 `a = ⟨RMSNorm(X_k; q_weight_k), RMSNorm(key_k; k_weight_k)⟩ / sqrt(d)` with per-stream learned
@@ -65,7 +69,9 @@ from flax import nnx
 
 from csa2.config import ModelConfig
 from csa2.norm import rms_norm
-from csa2.params import linear, normal, ones
+from csa2.params import constant, linear, normal, ones
+from pallas_kernels.formats import WINDOW
+from pallas_kernels.stored import Stored
 
 Array = jax.Array
 
@@ -238,16 +244,38 @@ def engram_hashes(cfg: ModelConfig, layer: int, history: Array) -> Array:
 # ---------------------------------------------------------------------------------------------
 # Parameters and the gated write
 
+class EngramRows(nnx.Variable):
+    """A packed table (`engram_table_format="fp8"`): e4m3 payload bits `[rows, hd]` or their UE8M0 scale bits
+    `[rows, hd/32]`, uint8. Bits are not trained; train with the float table."""
+
+
 class Engram(nnx.Module):
-    """Layer `layer`'s n-gram memory (SPEC §10b): `table [Σ primes, hd]`, `wkv [(N−1)·H·hd, (hc+1)·d]`
+    """Layer `layer`'s n-gram memory (SPEC §10b): `table [Σ primes, hd]` (float32, or packed as released:
+    `table` e4m3 bits + `table_scale` UE8M0 bits per 32 values, see `gather_rows`), `wkv [(N−1)·H·hd, (hc+1)·d]`
     (keys first), `q_weight`/`k_weight [hc, d]`."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
         hc, d, hd, std = cfg.hc_mult, cfg.hidden_size, cfg.engram_head_dim, cfg.initializer_range
-        self.table = normal(rngs, (engram_table_rows(cfg, layer), hd), std, ("engram_rows", "engram_dim"))
+        axes = ("engram_rows", "engram_dim")
+        table = normal(rngs, (engram_table_rows(cfg, layer), hd), std, axes)
+        if cfg.engram_table_format == "fp8":
+            packed = Stored.quantized(table.get_value(), WINDOW)
+            self.table = constant(packed.payload, axes, EngramRows)
+            self.table_scale = constant(packed.scale, ("engram_rows", "engram_scales"), EngramRows)
+        else:
+            self.table = table
         self.wkv = normal(rngs, (n_tables(cfg) * hd, (hc + 1) * d), std, ("engram_in", "engram_out"))
         self.q_weight = ones((hc, d), ("streams", "embed"))
         self.k_weight = ones((hc, d), ("streams", "embed"))
+
+
+def gather_rows(params: dict, row_ids: Array) -> Array:
+    """Table rows `row_ids [...]` as `[..., hd]` (float32 when packed): gathered, then (packed tables) dequantized, so only
+    the gathered rows are ever decoded. A packed table is SPEC §8's `WINDOW` layout (e4m3, UE8M0 per 32)."""
+    if "table_scale" not in params:
+        return jnp.take(params["table"], row_ids, axis=0)
+    packed = Stored(params["table"], params["table_scale"], WINDOW)
+    return jax.tree.map(lambda a: jnp.take(a, row_ids, axis=0), packed).decode()
 
 
 def engram_gate(a: Array) -> Array:
@@ -278,12 +306,14 @@ def engram(cfg: ModelConfig, params: dict, X: Array, row_ids: Array, mask: Array
     table = params["table"]
     if table.ndim != 2 or table.shape[1] != hd:
         raise ValueError(f"params['table']: shape {tuple(table.shape)}; expected [rows, engram_head_dim={hd}]")
+    if "table_scale" in params and params["table_scale"].shape != (table.shape[0], hd // WINDOW.block):
+        raise ValueError(f"params['table_scale']: shape {tuple(params['table_scale'].shape)}; expected "
+                         f"{(table.shape[0], hd // WINDOW.block)} (one UE8M0 scale per {WINDOW.block} values of a row)")
     if params["wkv"].shape != (T * hd, (hc + 1) * d):
         raise ValueError(f"params['wkv']: shape {tuple(params['wkv'].shape)}; expected {(T * hd, (hc + 1) * d)}")
 
     B, S = X.shape[:2]
-    rows = jnp.take(table, row_ids, axis=0).reshape(B, S, T * hd)
-    kv = linear(rows, params["wkv"], cfg.dtype)  # [B, S, (hc+1)·d] float32
+    kv = linear(gather_rows(params, row_ids).reshape(B, S, T * hd), params["wkv"], cfg.dtype)  # [B, S, (hc+1)·d] float32
     key = kv[..., :hc * d].reshape(B, S, hc, d)
     value = kv[..., hc * d:]
     h = X.astype(jnp.float32)

@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from csa2 import boundary, dspark, index_loss as index_loss_lib, selection
+from csa2 import boundary, dspark, engram_vocab, index_loss as index_loss_lib, selection
 from csa2.boundary import entry_point
 from csa2.config import ModelConfig
 from csa2.layout import layer_groups
 from csa2.moe import bias_update
-from csa2.params import arrays, normal, ones
+from csa2.params import arrays, constant, normal, ones
 from csa2.replay import EXACT, Extend, ReplayPolicy
 from csa2.stack import StackOut, logits as head_logits, split_layers, stack, stacked_layers, take_rows
 from csa2.state import State, init_state, token_granule
@@ -44,7 +44,8 @@ DRAFTER = dspark.DRAFTER  # the subtree of the DSpark drafter's parameters (`csa
 
 class Model(nnx.Module):
     """Every parameter of the model: embedding, the layer groups (stacked as `layout.layer_groups`), the
-    final norm, the LM head and, when `num_nextn_predict_layers > 0`, the DSpark drafter under `drafter`
+    final norm, the LM head, the compressed Engram vocabulary when it is not the identity (`engram_vocab`,
+    `csa2.engram_vocab`) and, when `num_nextn_predict_layers > 0`, the DSpark drafter under `drafter`
     (frozen-backbone training selects it alone). Calling it runs `forward` on its own parameters (for
     `nnx.tabulate`)."""
 
@@ -55,6 +56,8 @@ class Model(nnx.Module):
         self.groups = nnx.List([stacked_layers(cfg, group, rngs) for group in layer_groups(cfg)])
         self.norm = ones((d,), ("embed",))
         self.head = normal(rngs, (d, v), std, ("embed", "vocab"))
+        if engram_vocab.has_table(cfg):
+            self.engram_vocab = constant(engram_vocab.default_table(cfg), ("vocab",), engram_vocab.CompressedVocab)
         if cfg.num_nextn_predict_layers:
             self.drafter = dspark.Drafter(cfg, rngs)
 
@@ -65,7 +68,8 @@ class Model(nnx.Module):
 
 @functools.partial(jax.jit, static_argnums=0)
 def init_params(cfg: ModelConfig, key: Array) -> nnx.State:
-    """All parameters (float32), as the `nnx.State` of `Model(cfg)`: `Param`s and `RouterBias` variables."""
+    """All parameters, as the `nnx.State` of `Model(cfg)`: float32 `Param`s and `RouterBias` variables, and the int32
+    `CompressedVocab` when the model has one."""
     _, params = nnx.split(Model(cfg, nnx.Rngs(key)))
     return params
 

@@ -39,6 +39,11 @@ def zeros(shape: tuple[int, ...], axes: Axes, kind: type[nnx.Variable] = nnx.Par
     return _declare(kind, jnp.zeros(shape, jnp.float32), axes)
 
 
+def constant(value: Array, axes: Axes, kind: type[nnx.Variable]) -> nnx.Variable:
+    """A variable of type `kind` holding `value` as given (tables that are data, not trained weights)."""
+    return _declare(kind, jnp.asarray(value), axes)
+
+
 def arrays(params: nnx.State) -> dict[str, Any]:
     """The plain nested dict of arrays the pure functions read (a relabelling, free under jit)."""
     return nnx.to_pure_dict(params)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from csa2 import cache, engram as engram_lib, mhc
+from csa2 import cache, engram as engram_lib, engram_vocab, mhc
 from csa2.attention import Attention, attention
 from csa2.chunk import Chunk
 from csa2.compressor import compress
@@ -385,7 +385,7 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     written_from = None if extend is None else extend.hit  # replayed prefix rows never rewrite its Global KV
     chunk = Chunk(start=state.length, n_valid=n_valid, floor=encoder_floor)
     plan: ReplayPlan = replay_plan(cfg, replay, chunk, s, state.floor, extend)
-    history = _history(cfg, state, tokens, chunk.start) if cfg.engram_layer_ids else None
+    history = engram_vocab.compressed(params, _history(cfg, state, tokens, chunk.start)) if cfg.engram_layer_ids else None
     X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
     flow = Flow(X=X, pre=jnp.broadcast_to(mhc.first_pre(cfg.hc_mult), (b, s, cfg.hc_mult)),
                 bus=Bus.empty(cfg, b, s), state=state,

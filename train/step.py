@@ -138,9 +138,10 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
     example weigh more, `train.longctx`); `dense`: indexer KL over every visible entry (warm-up);
     `qat`: the SPEC §8 fake-quant forward (False = the float ablation). `metrics["loss"]` is the weighted mean.
     """
-    (_, aux), grads = jax.value_and_grad(lambda p: losses(cfg, tc, p, inputs, targets, weights, dense, qat),
-                                         has_aux=True)(
-        state.params)
+    trained, fixed = nnx.split_state(state.params, nnx.Param, ...)  # only Params are differentiated
+    (_, aux), grads = jax.value_and_grad(
+        lambda p: losses(cfg, tc, nnx.merge_state(p, fixed), inputs, targets, weights, dense, qat), has_aux=True)(trained)
+    grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, fixed))  # zeros where the optimizer leaves alone
     updates, opt_state = optimizer(tc).update(grads, state.opt_state, state.params)
     params = model.update_router_bias(cfg, optax.apply_updates(state.params, updates), aux["load"], tc.bias_rate)
     load = aux["load"]

@@ -7,7 +7,9 @@
   as its parameter (`released.to_param`) and written into a preallocated stacked leaf of `dtype`.
   Nothing but the leaves and the tensor in hand is held, so the memory beyond the parameters stays
   bounded by a few copies of the largest tensor (`read_hf` reports the peak). The storage format is
-  read from the files (a `<base>.scale` beside a payload means quantized), not assumed.
+  read from the files (a `<base>.scale` beside a payload means quantized), not assumed. A model that
+  hashes compressed Engram ids (`csa2.engram_vocab`) gets its table from the checkpoint's `tokenizer.json`
+  (the release stores no tensor for it) or from `engram_table=`.
 - `save_hf(params, cfg, path, *, dtype, formats)`: the inverse: `config.json` (`to_hf_config` plus
   `engram_num_embeddings`) and shards with every tensor under its released name, in float
   (`formats="float"`, `dtype` float32 or bfloat16) or in the release's own storage formats
@@ -35,13 +37,15 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from csa2 import engram_vocab
 from csa2.checkpoints import released, shards as shards_lib, weights
 from csa2.checkpoints.released import Tensor
-from csa2.config import ModelConfig, from_hf_config, model_differences, to_hf_config
+from csa2.config import RUNTIME, VARIANT, ModelConfig, fields_of, from_hf_config, model_differences, to_hf_config
 from csa2.engram import engram_table_rows
 from csa2.model import abstract_params
 
 CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _FLOATS = ("F64", "F32", "F16", "BF16")
 
@@ -82,7 +86,7 @@ def read_config(path: str | os.PathLike, cfg: ModelConfig | None = None) -> Mode
         raise ValueError(f"{path}: no {CONFIG}; a released checkpoint directory holds config.json beside its shards")
     d = json.loads(file.read_text())
     text = d.get("text_config", d)
-    framework = {} if cfg is None else {k: getattr(cfg, k) for k in ("dtype", "kernel_impl", "max_draft", "mhc_single_pass")}
+    framework = {} if cfg is None else {k: getattr(cfg, k) for k in fields_of(VARIANT, RUNTIME)}
     stored = from_hf_config(text, **framework)
     if cfg is not None and model_differences(cfg, stored):
         diffs = ", ".join(f"{k}: config.json {getattr(stored, k)!r} vs cfg {getattr(cfg, k)!r}" for k in model_differences(cfg, stored))
@@ -158,23 +162,57 @@ def _progress(items, what: str, show: bool):
 
 
 def _leaves(cfg: ModelConfig, dtype: np.dtype) -> dict:
-    """Empty host leaves of every parameter, in the pure-dict structure of `init_params(cfg)`."""
-    return jax.tree.map(lambda a: np.empty(a.shape, dtype), nnx.to_pure_dict(abstract_params(cfg)))
+    """Empty host leaves of every parameter with a released tensor, in the pure-dict structure of
+    `init_params(cfg)` (the compressed Engram vocabulary, which the release does not store, left out)."""
+    tree = nnx.to_pure_dict(abstract_params(cfg))
+    tree.pop(engram_vocab.PARAM, None)
+    return jax.tree.map(lambda a: np.empty(a.shape, dtype if np.issubdtype(a.dtype, np.floating) else a.dtype), tree)
 
 
-def _slot(tree: dict, t: Tensor) -> np.ndarray:
-    leaf = tree
-    for key in t.path:
-        leaf = leaf[key]
-    return leaf
+def _vocab_table(path: Path, cfg: ModelConfig, table: np.ndarray | None) -> np.ndarray:
+    """The compressed Engram vocabulary: `table` as given, else built from the checkpoint's tokenizer.json."""
+    if table is not None:
+        return engram_vocab.check_table(cfg, table)
+    file = path / TOKENIZER
+    if not file.exists():
+        raise ValueError(f"{path}: the Engram hash needs the compressed vocabulary (engram_compressed_vocab_size="
+                         f"{cfg.engram_compressed_vocab_size} < vocab_size={cfg.vocab_size}), which the release derives from "
+                         f"its tokenizer; put the checkpoint's {TOKENIZER} beside config.json or pass "
+                         "engram_table=csa2.engram_vocab.from_tokenizer(...)")
+    return engram_vocab.from_tokenizer(file, cfg)
+
+
+def _leaf(tree: dict, path: tuple) -> np.ndarray:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _packed_table(cfg: ModelConfig, t: Tensor) -> bool:
+    """Whether `t` is an Engram table the model keeps packed (`engram_table_format="fp8"`)."""
+    return cfg.engram_table_format == "fp8" and t.path[-2:] == ("engram", "table")
+
+
+def _table_bits(store: shards_lib.Shards, t: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 payload bits, UE8M0 scale bits) of an Engram table: the stored bytes as they are when the file
+    holds FP8 rows, else its decoded values encoded so."""
+    scale_name = t.scale_name
+    if store.dtype(t.name) == "F8_E4M3" and scale_name in store and store.shape(scale_name) == weights.FP8_ROWS.scale_shape(t.shape):
+        return np.asarray(store.read(t.name)).view(np.uint8), np.asarray(store.read(scale_name)).view(np.uint8)
+    payload, scale = weights.encode(weights.FP8_ROWS, _decoded(store, t))
+    return payload.view(np.uint8), scale.view(np.uint8)
 
 
 def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: Any = "float32",
-            progress: bool = False) -> tuple[ModelConfig, dict, Summary]:
-    """`(cfg, parameters as a pure dict of numpy arrays, Summary)` of the released checkpoint at `path`."""
+            engram_table: np.ndarray | None = None, progress: bool = False) -> tuple[ModelConfig, dict, Summary]:
+    """`(cfg, parameters as a pure dict of numpy arrays, Summary)` of the released checkpoint at `path`.
+
+    A model whose Engram hashes compressed ids (`csa2.engram_vocab.has_table`) gets its table from
+    `engram_table` or, by default, from the checkpoint's `tokenizer.json`."""
     target = _dtype(dtype)
     start = time.perf_counter()
     cfg = read_config(path, cfg)
+    vocab = _vocab_table(Path(path), cfg, engram_table) if engram_vocab.has_table(cfg) else None
     store = shards_lib.Shards(path)
     table = released.tensors(cfg)
     skipped = _check_names(store, table)
@@ -193,9 +231,15 @@ def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: A
             if store.shape(t.name) != want:
                 raise ValueError(f"tensor {t.name!r}: stored shape {store.shape(t.name)} ({store.dtype(t.name)}); "
                                  f"the config expects {want} (logical {t.shape})")
+            leaf = _leaf(tree, t.path)
+            if _packed_table(cfg, t):
+                scale_leaf = _leaf(tree, t.path[:-1] + ("table_scale",))
+                leaf[t.index], scale_leaf[t.index] = _table_bits(store, t)
+                filled[id(leaf)] += int(np.prod(t.shape))
+                filled[id(scale_leaf)] += int(np.prod(scale_leaf.shape[len(t.index):]))
+                continue
             value = _decoded(store, t)
             largest = max(largest, value.nbytes)
-            leaf = _slot(tree, t)
             leaf[t.index] = released.to_param(t, value)
             filled[id(leaf)] += value.size
             del value
@@ -207,15 +251,17 @@ def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: A
         if filled[id(leaf)] != leaf.size:
             raise ValueError(f"parameter {jax.tree_util.keystr(p)} got {filled[id(leaf)]} of its {leaf.size} values "
                              "from the checkpoint; the name map does not cover it")
+    if vocab is not None:
+        tree[engram_vocab.PARAM] = vocab
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
     return cfg, tree, Summary(len(table), store.bytes_read, skipped, time.perf_counter() - start, peak, param_bytes, largest)
 
 
 def load_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: Any = "float32",
-            progress: bool = False) -> tuple[ModelConfig, nnx.State]:
+            engram_table: np.ndarray | None = None, progress: bool = False) -> tuple[ModelConfig, nnx.State]:
     """`(cfg, params)`: the released checkpoint at `path` as the `nnx.State` of `model.init_params(cfg)`,
-    every leaf in `dtype` (float32, the framework's parameter dtype, or bfloat16)."""
-    cfg, tree, _ = read_hf(path, cfg, dtype=dtype, progress=progress)
+    every weight in `dtype` (float32, the framework's parameter dtype, or bfloat16); see `read_hf`."""
+    cfg, tree, _ = read_hf(path, cfg, dtype=dtype, engram_table=engram_table, progress=progress)
     return cfg, as_params(cfg, tree)
 
 
@@ -236,7 +282,15 @@ def _released_tensors(cfg: ModelConfig, tree: dict, dtype: np.dtype, quantize: b
                       progress: bool) -> Iterator[tuple[str, np.ndarray]]:
     table = released.tensors(cfg)
     for t in _progress(table, "save", progress):
-        x = released.from_param(t, np.asarray(_slot(tree, t)[t.index], np.float32))
+        stored = _leaf(tree, t.path)[t.index]
+        if _packed_table(cfg, t):
+            scale = _leaf(tree, t.path[:-1] + ("table_scale",))[t.index]
+            if quantize:  # the bits as they are
+                yield t.name, stored.view(ml_dtypes.float8_e4m3fn)
+                yield t.scale_name, scale.view(ml_dtypes.float8_e8m0fnu)
+                continue
+            stored = weights.decode(weights.FP8_ROWS, stored.view(ml_dtypes.float8_e4m3fn), scale)
+        x = released.from_param(t, np.asarray(stored, np.float32))
         if quantize and t.fmt is not None:
             payload, scale = weights.encode(t.fmt, x)
             yield t.name, payload
@@ -253,6 +307,8 @@ def save_hf(params: nnx.State, cfg: ModelConfig, path: str | os.PathLike, *, dty
 
     `formats="float"`: every tensor in `dtype` (float32 round-trips bit for bit); `formats="released"`:
     the release's storage (FP8 blocks, FP4 experts, FP8 Engram rows with UE8M0 scales; BF16/F32 floats).
+    The compressed Engram vocabulary is not written (the release derives it from its tokenizer: keep the
+    tokenizer files beside the shards, or pass the table to `load_hf`).
     """
     if formats not in ("float", "released"):
         raise ValueError(f"formats={formats!r}: use 'float' (plain float tensors) or 'released' (FP8/FP4 as released)")

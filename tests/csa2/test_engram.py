@@ -10,6 +10,8 @@ from flax import nnx
 
 from csa2 import engram as E
 from csa2.config import preset
+from pallas_kernels.formats import WINDOW
+from pallas_kernels.stored import Stored
 
 TINY = preset("tiny")
 V41 = preset("v41_flash")
@@ -287,3 +289,21 @@ def test_bad_input_names_the_argument():
         E.engram(cfg, params, X, rows, mask=jnp.ones((1, 2), bool))
     with pytest.raises(ValueError, match="wkv"):
         E.engram(cfg, {**params, "wkv": params["wkv"][:-1]}, X, rows)
+
+
+def test_packed_table_gathers_then_decodes_the_same_rows_as_its_float_decoding():
+    """`engram_table_format="fp8"`: the layer's output equals the float layer's whose table is the packed table
+    decoded whole (only the gathered rows are decoded)."""
+    cfg = preset("mini").replace(engram_head_dim=32, engram_table_format="fp8")
+    layer = cfg.engram_layer_ids[0]
+    packed = nnx.to_pure_dict(nnx.state(E.Engram(cfg, layer, nnx.Rngs(0))))
+    assert packed["table"].dtype == jnp.uint8 and packed["table_scale"].shape == (packed["table"].shape[0], 1)
+    dense = {k: v for k, v in packed.items() if k != "table_scale"}
+    dense["table"] = Stored(packed["table"], packed["table_scale"], WINDOW).decode()
+    rng = np.random.default_rng(0)
+    X = jnp.asarray(rng.standard_normal((2, 5, cfg.hc_mult, cfg.hidden_size)), jnp.float32)
+    ids = E.engram_hashes(cfg, layer, jnp.asarray(rng.integers(0, 259, (2, 5 + cfg.engram_max_ngram_size - 1))))
+    np.testing.assert_array_equal(E.gather_rows(packed, ids), E.gather_rows(dense, ids))
+    np.testing.assert_array_equal(E.engram(cfg, packed, X, ids), E.engram(cfg, dense, X, ids))
+    with pytest.raises(ValueError, match=r"params\['table_scale'\]: shape \(3, 1\)"):
+        E.engram(cfg, {**packed, "table_scale": packed["table_scale"][:3]}, X, ids)

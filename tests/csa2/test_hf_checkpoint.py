@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors import safe_open
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
+from csa2 import engram_vocab
 from csa2.checkpoints import hf, load_hf, read_hf, released, save_hf, weights
 from csa2.checkpoints.shards import DTYPES, Shards, write_shards
 from csa2.cli import main
@@ -85,6 +88,9 @@ def test_name_map_fills_every_parameter_exactly_once(name):
         slots.add((t.path, t.index))
         filled[id(leaf)] += int(np.prod(shape))
     for path, leaf in jax.tree_util.tree_flatten_with_path(leaves)[0]:
+        if path[0].key == engram_vocab.PARAM:  # not a tensor of the release: built from its tokenizer
+            assert filled[id(leaf)] == 0
+            continue
         assert filled[id(leaf)] == int(np.prod(leaf.shape)), jax.tree_util.keystr(path)
 
 
@@ -201,10 +207,53 @@ def test_bfloat16_load_is_the_float32_load_rounded(released_mini):
                  host(p32), host(p16))
 
 
+def test_fp8_engram_tables_stay_packed_bit_for_bit(tmp_path):
+    """`engram_table_format="fp8"` keeps the release's table bytes as the parameter (never decoded whole),
+    writes them back unchanged, and decodes to the float model's table."""
+    cfg = MINI.replace(engram_head_dim=32)
+    save_hf(random_params(cfg, 3), cfg, tmp_path / "src", formats="released")
+    packed_cfg = cfg.replace(engram_table_format="fp8")
+    _, packed = load_hf(tmp_path / "src", packed_cfg)
+    _, dense = load_hf(tmp_path / "src", cfg)
+    store = Shards(tmp_path / "src")
+    t = next(t for t in released.tensors(cfg) if t.name.endswith("engram.embed.weight"))
+    engram = host(packed)["groups"][t.path[1]][t.path[2]]["engram"]
+    assert engram["table"][t.index].tobytes() == np.asarray(store.read(t.name)).tobytes()
+    assert engram["table_scale"][t.index].tobytes() == np.asarray(store.read(t.scale_name)).tobytes()
+    assert type(packed["groups"][t.path[1]][t.path[2]]["engram"]["table"]).__name__ == "EngramRows"
+    decoded = weights.decode(weights.FP8_ROWS, engram["table"][t.index].view(ml_dtypes.float8_e4m3fn),
+                             engram["table_scale"][t.index])
+    np.testing.assert_array_equal(host(dense)["groups"][t.path[1]][t.path[2]]["engram"]["table"][t.index], decoded)
+    save_hf(packed, packed_cfg, tmp_path / "again", formats="released")
+    again = Shards(tmp_path / "again")
+    for name in (t.name, t.scale_name):
+        assert np.asarray(again.read(name)).tobytes() == np.asarray(store.read(name)).tobytes()
+    save_hf(packed, packed_cfg, tmp_path / "float")  # a float export decodes the table
+    _, back = load_hf(tmp_path / "float", cfg)
+    np.testing.assert_array_equal(host(back)["groups"][t.path[1]][t.path[2]]["engram"]["table"][t.index], decoded)
+
+
+def test_the_compressed_vocabulary_comes_from_the_checkpoints_tokenizer(tmp_path):
+    """The release stores no tensor for it: `load_hf` builds it from `tokenizer.json` (or takes `engram_table`)."""
+    cfg = MINI.replace(engram_compressed_vocab_size=200, engram_pad_id=0)
+    save_hf(random_params(cfg, 4), cfg, tmp_path, formats="released")
+    with pytest.raises(ValueError, match=r"needs the compressed vocabulary.*put the checkpoint's tokenizer.json"):
+        load_hf(tmp_path, cfg)
+    words = [f"w{i}" for i in range(200)] + [f"W{i}" for i in range(59)]  # "W7" and "w7" share a key
+    Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0")).save(str(tmp_path / hf.TOKENIZER))
+    _, params = load_hf(tmp_path, cfg)
+    np.testing.assert_array_equal(host(params)[engram_vocab.PARAM], np.r_[np.arange(200), np.arange(59)])
+    mine = np.r_[np.arange(200)[::-1], np.zeros(59, np.int32)]
+    _, params = load_hf(tmp_path, cfg, engram_table=mine)
+    np.testing.assert_array_equal(host(params)[engram_vocab.PARAM], mine)
+    with pytest.raises(ValueError, match=r"engram_vocab: ids span \[0, 258\]"):
+        load_hf(tmp_path, cfg, engram_table=np.arange(259))
+
+
 def test_load_holds_only_a_few_copies_of_the_largest_tensor_beyond_the_parameters(tmp_path):
     """Peak host memory above the parameters while reading stays bounded by the largest tensor (float32),
     not by the checkpoint: the embedding and head (16384 × 64) are the largest tensors here."""
-    cfg = MINI.replace(vocab_size=16384)
+    cfg = MINI.replace(vocab_size=16384, engram_compressed_vocab_size=16384)
     save_hf(random_params(cfg, 2), cfg, tmp_path / "big", formats="released")
     _, _, summary = read_hf(tmp_path / "big", cfg)
     assert summary.largest_tensor_bytes == 16384 * 64 * 4

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from csa2 import model, stack
+from csa2 import engram_vocab, model, stack
 from csa2.checkpoints import native as checkpoint
 from csa2.config import preset
 from csa2.layout import layer_groups
@@ -128,6 +128,19 @@ def test_train_step_moves_params_and_router_biases_only_by_the_bias_rule(corpus)
             assert kind is nnx.Param, path
             assert np.any(delta != 0), f"{path} did not move with lr={lr}"
     assert moved_biases > 0
+
+
+def test_train_step_differentiates_params_only_and_keeps_the_compressed_vocabulary():
+    """A model whose Engram hashes compressed ids holds an int32 `CompressedVocab` table: the step differentiates
+    the `nnx.Param`s alone (no gradient of an integer leaf) and hands the table back unchanged (traced only)."""
+    cfg = CFG.replace(engram_compressed_vocab_size=200, engram_pad_id=0)
+    state = jax.eval_shape(lambda: init_train_state(cfg, TC))
+    tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+    new, metrics = jax.eval_shape(lambda s, x: train_step(cfg, TC, s, x, x), state, tokens)
+    assert jax.tree.structure(new.params) == jax.tree.structure(state.params)
+    table = new.params[engram_vocab.PARAM]
+    assert type(table) is engram_vocab.CompressedVocab and table.get_value().dtype == jnp.int32
+    assert metrics["grad_norm"].dtype == jnp.float32
 
 
 def test_update_router_bias_moves_each_layers_bias_by_its_own_load():
