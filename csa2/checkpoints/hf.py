@@ -18,8 +18,9 @@
 
 A checkpoint's tensors must match the config exactly: a tensor the map does not know (other than the
 vision tower, skipped with its reason), a missing one, a wrong shape, or a payload without its scale
-raise `ValueError` naming the tensor. With a mesh, placement waits for the sharding rules (issue 12):
-`load_hf` returns host-committed arrays that `jax.device_put` can shard.
+raise `ValueError` naming the tensor. With a mesh (`load_hf(..., mesh=, rules=)`, `csa2.sharding`) each
+tensor is written straight into the host buffers of the shards it falls in (`HostShards`: only this
+process's addressable shards exist), and each parameter is assembled from them on its devices.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from csa2 import engram_vocab
 from csa2.checkpoints import released, shards as shards_lib, weights
@@ -43,6 +45,7 @@ from csa2.checkpoints.released import Tensor
 from csa2.config import RUNTIME, VARIANT, ModelConfig, fields_of, from_hf_config, model_differences, to_hf_config
 from csa2.engram import engram_table_rows
 from csa2.model import abstract_params
+from csa2.sharding import HostShards, Rules, param_shardings
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -161,12 +164,20 @@ def _progress(items, what: str, show: bool):
     return tqdm(items, desc=what, unit="tensor")
 
 
-def _leaves(cfg: ModelConfig, dtype: np.dtype) -> dict:
+def _leaves(cfg: ModelConfig, dtype: np.dtype, shardings: dict | None) -> dict:
     """Empty host leaves of every parameter with a released tensor, in the pure-dict structure of
-    `init_params(cfg)` (the compressed Engram vocabulary, which the release does not store, left out)."""
+    `init_params(cfg)` (the compressed Engram vocabulary, which the release does not store, left out):
+    whole arrays, or with `shardings` the buffers of this process's shards (`sharding.HostShards`)."""
     tree = nnx.to_pure_dict(abstract_params(cfg))
     tree.pop(engram_vocab.PARAM, None)
-    return jax.tree.map(lambda a: np.empty(a.shape, dtype if np.issubdtype(a.dtype, np.floating) else a.dtype), tree)
+
+    def leaf(path, a):
+        kind = dtype if np.issubdtype(a.dtype, np.floating) else a.dtype
+        if shardings is None:
+            return np.empty(a.shape, kind)
+        return HostShards(a.shape, kind, _leaf(shardings, tuple(k.key for k in path)))
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def _vocab_table(path: Path, cfg: ModelConfig, table: np.ndarray | None) -> np.ndarray:
@@ -204,19 +215,24 @@ def _table_bits(store: shards_lib.Shards, t: Tensor) -> tuple[np.ndarray, np.nda
 
 
 def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: Any = "float32",
-            engram_table: np.ndarray | None = None, progress: bool = False) -> tuple[ModelConfig, dict, Summary]:
-    """`(cfg, parameters as a pure dict of numpy arrays, Summary)` of the released checkpoint at `path`.
+            engram_table: np.ndarray | None = None, mesh: Mesh | None = None, rules: Rules | None = None,
+            progress: bool = False) -> tuple[ModelConfig, dict, Summary]:
+    """`(cfg, parameters as a pure dict, Summary)` of the released checkpoint at `path`: numpy leaves, or with
+    a `mesh` (and its `rules`, `csa2.sharding`) `HostShards` holding only this process's shards of each.
 
     A model whose Engram hashes compressed ids (`csa2.engram_vocab.has_table`) gets its table from
     `engram_table` or, by default, from the checkpoint's `tokenizer.json`."""
     target = _dtype(dtype)
     start = time.perf_counter()
     cfg = read_config(path, cfg)
+    if (mesh is None) != (rules is None):
+        raise ValueError("mesh and rules go together: pass both (rules=csa2.sharding.rules_for(preset)) or neither")
+    shardings = None if mesh is None else param_shardings(cfg, mesh, rules)
     vocab = _vocab_table(Path(path), cfg, engram_table) if engram_vocab.has_table(cfg) else None
     store = shards_lib.Shards(path)
     table = released.tensors(cfg)
     skipped = _check_names(store, table)
-    tree = _leaves(cfg, target)
+    tree = _leaves(cfg, target, shardings)
     filled = {id(leaf): 0 for leaf in jax.tree.leaves(tree)}
     largest = 0
     tracing = tracemalloc.is_tracing()
@@ -236,7 +252,7 @@ def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: A
                 scale_leaf = _leaf(tree, t.path[:-1] + ("table_scale",))
                 leaf[t.index], scale_leaf[t.index] = _table_bits(store, t)
                 filled[id(leaf)] += int(np.prod(t.shape))
-                filled[id(scale_leaf)] += int(np.prod(scale_leaf.shape[len(t.index):]))
+                filled[id(scale_leaf)] += int(np.prod(scale_leaf.shape[len(t.index):]))  # one slot of it
                 continue
             value = _decoded(store, t)
             largest = max(largest, value.nbytes)
@@ -252,16 +268,22 @@ def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: A
             raise ValueError(f"parameter {jax.tree_util.keystr(p)} got {filled[id(leaf)]} of its {leaf.size} values "
                              "from the checkpoint; the name map does not cover it")
     if vocab is not None:
+        if shardings is not None:
+            placed, vocab = vocab, HostShards(vocab.shape, vocab.dtype, shardings[engram_vocab.PARAM])
+            vocab[()] = placed
         tree[engram_vocab.PARAM] = vocab
-    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+    param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
     return cfg, tree, Summary(len(table), store.bytes_read, skipped, time.perf_counter() - start, peak, param_bytes, largest)
 
 
 def load_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: Any = "float32",
-            engram_table: np.ndarray | None = None, progress: bool = False) -> tuple[ModelConfig, nnx.State]:
+            engram_table: np.ndarray | None = None, mesh: Mesh | None = None, rules: Rules | None = None,
+            progress: bool = False) -> tuple[ModelConfig, nnx.State]:
     """`(cfg, params)`: the released checkpoint at `path` as the `nnx.State` of `model.init_params(cfg)`,
-    every weight in `dtype` (float32, the framework's parameter dtype, or bfloat16); see `read_hf`."""
-    cfg, tree, _ = read_hf(path, cfg, dtype=dtype, engram_table=engram_table, progress=progress)
+    every weight in `dtype` (float32, the framework's parameter dtype, or bfloat16); with a `mesh`, each
+    tensor goes straight into the host buffers of its shards and each parameter is assembled sharded by
+    `rules` (`csa2.sharding`). See `read_hf`."""
+    cfg, tree, _ = read_hf(path, cfg, dtype=dtype, engram_table=engram_table, mesh=mesh, rules=rules, progress=progress)
     return cfg, as_params(cfg, tree)
 
 
@@ -270,7 +292,10 @@ def as_params(cfg: ModelConfig, tree: dict) -> nnx.State:
     replaced by its device array as it goes, so the host copy can be freed leaf by leaf)."""
     def put(node: dict) -> dict:
         for key, value in node.items():
-            node[key] = put(value) if isinstance(value, dict) else jax.device_put(value)
+            if isinstance(value, dict):
+                node[key] = put(value)
+            else:
+                node[key] = value.array() if isinstance(value, HostShards) else jax.device_put(value)
         return node
 
     params = abstract_params(cfg)
