@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from csa2 import state as state_lib
 from csa2.config import ModelConfig
 from csa2.model import abstract_params
 
@@ -103,6 +104,30 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> dict:
         return NamedSharding(mesh, spec(tuple(logical), shape.shape, mesh, rules, f"parameter {jax.tree_util.keystr(path)}"))
 
     return jax.tree_util.tree_map_with_path(one, names, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shard_params(cfg: ModelConfig, params: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+    """`params` placed on `mesh` by `rules` (a new State; the caller's arrays are not consumed)."""
+    shardings = param_shardings(cfg, mesh, rules)
+    out = abstract_params(cfg)
+    nnx.replace_by_pure_dict(out, jax.tree.map(jax.device_put, nnx.to_pure_dict(params), shardings))
+    return out
+
+
+def state_shardings(state, mesh: Mesh):
+    """Every leaf of a request `State` (all lead with the batch) split over `data` along its rows."""
+    batch = jax.tree.leaves(state)[0].shape[0]
+    if batch % mesh.shape["data"]:
+        raise ValueError(f"state: batch {batch} does not split over mesh axis 'data' of size {mesh.shape['data']}; "
+                         "use a batch that is a multiple of it")
+    return jax.tree.map(lambda a: NamedSharding(mesh, PartitionSpec("data", *[None] * (a.ndim - 1))), state)
+
+
+def init_state(cfg: ModelConfig, batch: int, capacity: int, mesh: Mesh, cache_format: str = "fp4"):
+    """`csa2.state.init_state` created directly in its shards (rows over `data`)."""
+    abstract = state_lib.abstract_state(cfg, batch, capacity, cache_format)
+    return jax.jit(lambda: state_lib.init_state(cfg, batch, capacity, cache_format),
+                   out_shardings=state_shardings(abstract, mesh))()
 
 
 class HostShards:

@@ -26,7 +26,8 @@ Names (DeepSeek-V4.1 release; no `model.` prefix):
     mtp.{s}.<a block as above, SWA-only, dspark_n_routed_experts experts>; mtp.0.{main_proj,main_norm}.weight;
     mtp.{last}.{norm.weight, markov_head.embed.weight, markov_head.head.weight, confidence_head.proj.weight}
 
-The compressor's `wkv` feeds SPEC §4's pooling, the indexer's `wk` (the index-key projection, applied to
+RoPE needs no permutation: the release rotates interleaved pairs of the last `qk_rope_head_dim` channels,
+as csa2 does (SPEC §7). The compressor's `wkv` feeds SPEC §4's pooling, the indexer's `wk` (the index-key projection, applied to
 the pooled latent) becomes the compressor's `wik` and `k_norm` its `ik_norm`: in csa2 the compressor
 publishes both the Main KV and the Indexer K of its group. `SKIPPED` lists the released tensors a
 text model has no parameter for (the vision tower), with the reason.
