@@ -36,7 +36,12 @@ def test_greedy_decode_equals_teacher_forced_forward(name, mini_params, tiny_par
     params = mini_params if name == "mini" else tiny_params
     tokens, logits, _ = _greedy_decode(cfg, params, jnp.array([3, 200], jnp.int32), steps=25)
     ref, aux = model.forward(cfg, params, tokens, qat=True)
-    np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4)
+    # One token per step and the whole sequence at once sum in different orders; re-rounded to FP4 by the
+    # SPEC §8 fake-quant, the last-ulp differences can flip a rare cached element by one step and move later
+    # logits by ~1e-3 (seen on AVX-512 XLA:CPU for mini: 8e-4). A wrong ring slot, position or window moves
+    # them by ~1e-1, and most logits still agree to float precision.
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-2)
+    assert np.mean(np.abs(np.asarray(logits) - np.asarray(ref)) <= 1e-4) >= 0.5
     assert aux["load"].shape == (cfg.num_hidden_layers, cfg.n_routed_experts)
 
 
