@@ -118,7 +118,7 @@ def hf_config(cfg: ModelConfig, quantized: bool) -> dict:
 def _check_names(store: shards_lib.Shards, table: tuple[Tensor, ...]) -> tuple[str, ...]:
     """Refuse unknown and missing tensors; return the skipped names."""
     expected = {t.name for t in table}
-    scales = {t.name[: -len(".weight")] + ".scale": t.name for t in table if t.name.endswith(".weight")}
+    scales = {released.scale_of(t.name): t.name for t in table if released.scale_of(t.name)}
     skipped, unknown = [], []
     for name in store.names():
         if name in expected:
@@ -140,8 +140,8 @@ def _check_names(store: shards_lib.Shards, table: tuple[Tensor, ...]) -> tuple[s
 
 def _decoded(store: shards_lib.Shards, t: Tensor) -> np.ndarray:
     """float32 logical value of released tensor `t`, in whatever format the files hold it."""
-    stored, scale_name = store.dtype(t.name), t.name[: -len(".weight")] + ".scale"
-    if scale_name in store and t.name.endswith(".weight"):
+    stored, scale_name = store.dtype(t.name), released.scale_of(t.name)
+    if scale_name is not None and scale_name in store:
         payload, scale = store.read(t.name), store.read(scale_name)
         if stored == "I8" or stored == "U8":
             fmt = weights.FP4

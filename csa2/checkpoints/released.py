@@ -69,7 +69,12 @@ class Tensor:
 
     @property
     def scale_name(self) -> str | None:
-        return None if self.fmt is None else self.name[: -len(".weight")] + ".scale"
+        return None if self.fmt is None else scale_of(self.name)
+
+
+def scale_of(name: str) -> str | None:
+    """The name of the `.scale` beside weight `name` (`a.b.weight` → `a.b.scale`); None for a name without `.weight`."""
+    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
 
 
 def skip_reason(name: str) -> str | None:
