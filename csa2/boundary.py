@@ -28,12 +28,13 @@ Array = jax.Array
 
 
 def concrete(x) -> np.ndarray | None:
-    """`x` as a host array, or None while it is being traced or only described by its shape and dtype
-    (`jax.ShapeDtypeStruct`, for ahead-of-time lowering): then only its shape can be checked."""
+    """`x` as a host array, or None while it is being traced, only described by its shape and dtype
+    (`jax.ShapeDtypeStruct`, for ahead-of-time lowering) or partly held by other processes (a multi-process
+    mesh): then only its shape can be checked."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return None
     try:
-        return np.asarray(x)
+        return None if isinstance(x, jax.Array) and not x.is_fully_addressable else np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None
 
@@ -55,13 +56,14 @@ class EntryPoint:
         self._signature = inspect.signature(fn)
         self._jitted = jax.jit(fn, **jit_kwargs)
 
-    def _checked(self, args, kwargs) -> None:
+    def check(self, *args, **kwargs) -> None:
+        """The host check alone (for a caller that jits `__wrapped__` itself, e.g. with explicit shardings)."""
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         self._check(**bound.arguments)
 
     def __call__(self, *args, **kwargs):
-        self._checked(args, kwargs)
+        self.check(*args, **kwargs)
         return self._jitted(*args, **kwargs)
 
     def trusted(self, *args, **kwargs):
@@ -70,16 +72,16 @@ class EntryPoint:
         loop feeding the model its own outputs (argmax tokens, the state it advanced) dispatches the next
         step while this one runs. Token ids in the vocabulary and positions within capacity are then the
         caller's to guarantee (check the first call, size the state for the whole loop)."""
-        self._checked(tuple(map(_described, args)), {k: _described(v) for k, v in kwargs.items()})
+        self.check(*map(_described, args), **{k: _described(v) for k, v in kwargs.items()})
         return self._jitted(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         """`jax.jit(...).lower`: `.compile()` it for ahead-of-time use; the result takes the traced arguments."""
-        self._checked(args, kwargs)
+        self.check(*args, **kwargs)
         return self._jitted.lower(*args, **kwargs)
 
     def eval_shape(self, *args, **kwargs):
-        self._checked(args, kwargs)
+        self.check(*args, **kwargs)
         return self._jitted.eval_shape(*args, **kwargs)
 
     def cache_size(self) -> int:

@@ -9,6 +9,16 @@
   expert and multiplies the expert groups: in tiles when the groups are large (a grouped matmul in plain
   XLA, the work of the routed rows rather than of every expert), by `jax.lax.ragged_dot` when they are
   small. Both sum the k slots in the same order.
+- Expert parallelism: traced under a mesh (`jax.set_mesh`, `csa2.sharding.Sharded`) whose `expert` axis has
+  more than one device, the routed experts run in a `shard_map`: each device holds `E / expert` experts (and
+  `I / tensor` of their width) and the tokens of its `data` shard, which every device of the `expert` and
+  `tensor` axes already holds whole (activations are split over `data` only). So dispatch needs no
+  collective: a device multiplies the (token, slot) pairs routed to its own experts (`lax.ragged_dot` over
+  its local groups) and the combine is one `psum` over `expert` × `tensor` of the per-token sums `[T, d]`.
+  This is the all-gather formulation (tokens already gathered), chosen over a ragged all-to-all because the
+  batch is not split over `expert`: an all-to-all would only pay when `expert` also splits the tokens. The
+  router, the load and the shared expert stay outside, partitioned by GSPMD, so the load (and the
+  aux-loss-free bias update) counts every token of the global batch.
 - Aux-loss-free balancing: `bias_update` moves the correction bias against the measured load, outside the
   optimizer; the bias is a `RouterBias` variable, so the optimizer excludes it by type.
 """
@@ -18,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from csa2.config import ModelConfig
 from csa2.params import linear, normal, zeros
@@ -153,15 +164,66 @@ def _ragged_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, ex
     return out[inverse].reshape(t, k, -1)
 
 
+def _expert_mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh being traced under, when its `expert` axis splits the routed experts; else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh if mesh.shape.get("expert", 1) > 1 else None
+
+
+def _expert_parallel(cfg: ModelConfig, params: dict, x: Array, weights: Array, experts: Array,
+                     mesh: jax.sharding.AbstractMesh) -> Array:
+    """The routed experts' sum `[T, d]` float32 with the experts split over `mesh`'s `expert` axis (the module
+    docstring says how). Each device keeps the pairs routed to its experts, sorts them by local expert and
+    multiplies its groups; pairs of other devices' experts come last and contribute zero."""
+    e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+    if e % mesh.shape["expert"]:
+        raise ValueError(f"n_routed_experts={e} does not split over mesh axis 'expert' of size "
+                         f"{mesh.shape['expert']}; use an expert axis that divides {e}")
+    tensor = "tensor" if i % mesh.shape.get("tensor", 1) == 0 and mesh.shape.get("tensor", 1) > 1 else None
+    rows = "data" if x.shape[0] % mesh.shape.get("data", 1) == 0 and mesh.shape.get("data", 1) > 1 else None
+    k, dt = experts.shape[1], cfg.dtype
+
+    def local(x, weights, experts, w1, w3, w2):
+        # Varying over `expert` from the start: left to the implicit cast at the gathers below, JAX 0.10.2
+        # transposes the gather of `weights` into a scatter that puts each row's gradient in the wrong row.
+        x, weights = jax.lax.pcast((x, weights), "expert", to="varying")
+        e_local = w1.shape[0]
+        slot = (experts - jax.lax.axis_index("expert") * e_local).reshape(-1)  # the pair's local expert
+        mine = (slot >= 0) & (slot < e_local)
+        slot = jnp.where(mine, slot, e_local)  # other devices' pairs: one group past the local ones
+        order = jnp.argsort(slot, stable=True)
+        sizes = jnp.bincount(slot, length=e_local + 1)[:e_local].astype(jnp.int32)
+
+        def grouped(lhs: Array, w: Array) -> Array:
+            return jax.lax.ragged_dot(lhs.astype(dt), w.astype(dt), sizes, preferred_element_type=jnp.float32)
+
+        xs = x[order // k]
+        h = _swiglu(grouped(xs, w1), grouped(xs, w3), cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
+        out = jnp.where(mine[order][:, None], grouped(h, w2), 0.0)  # [T·k, d], partial over `tensor`
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        y = jnp.sum(out[inverse].reshape(-1, k, out.shape[-1]), axis=1)
+        return jax.lax.psum(y, ("expert",) if tensor is None else ("expert", tensor))
+
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(P(rows), P(rows), P(rows), P("expert", None, tensor), P("expert", None, tensor),
+                                   P("expert", tensor, None)),
+                         out_specs=P(rows))(x, weights, experts, params["w1"], params["w3"], params["w2"])
+
+
 def moe(cfg: ModelConfig, params: dict, x: Array, *, image_mask: Array | None = None,
         dispatch: str = "ragged") -> tuple[Array, Array]:
-    """The MoE output (same shape as `x`, float32) and the load `[E]`: each expert's share of the T·k assignments."""
+    """The MoE output (same shape as `x`, float32) and the load `[E]`: each expert's share of the T·k assignments.
+    "ragged" dispatch under a mesh with an `expert` axis runs the experts expert-parallel (module docstring)."""
     if dispatch not in _DISPATCH:
         raise ValueError(f"dispatch={dispatch!r}: use one of {_DISPATCH}")
     weights, experts, _ = route(cfg, params, x, image_mask)
     flat = x.reshape(-1, cfg.hidden_size)
-    routed = (_dense_experts if dispatch == "dense" else _ragged_experts)(cfg, params, flat, weights, experts)
-    y = jnp.sum(routed, axis=1)  # [T, d]
+    mesh = _expert_mesh() if dispatch == "ragged" else None
+    if mesh is not None:
+        y = _expert_parallel(cfg, params, flat, weights, experts, mesh)
+    else:
+        routed = (_dense_experts if dispatch == "dense" else _ragged_experts)(cfg, params, flat, weights, experts)
+        y = jnp.sum(routed, axis=1)  # [T, d]
     if cfg.n_shared_experts:
         sp = params["shared"]
         h = _swiglu(linear(flat, sp["w1"], cfg.dtype), linear(flat, sp["w3"], cfg.dtype), cfg.swiglu_limit)

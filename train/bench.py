@@ -1,10 +1,13 @@
 """`python -m train.bench`: compile seconds and step time of `train_step` (DESIGN §5, §8).
 
-    python -m train.bench [--config tiny] [--batch-size 4] [--seq-len 128] [--steps 5] [--float]
+    python -m train.bench [--config tiny] [--batch-size 4] [--seq-len 128] [--steps 5] [--float] [--mesh data=8]
 
 One JSON line per measurement with the machine and the config (the `infer.bench_model` reporter):
 `compile` (lower and compile seconds of the jitted update) and `train_step` (median step seconds
-after compilation, tokens per second).
+after compilation, tokens per second). `--mesh` also times the step sharded on that mesh
+(`train.step.Sharded`; on simulated CPU devices when this process has fewer) and prints
+`train_step_sharded` with its ratio to the one-device step measured in the same run: on CPU devices
+that share the cores, the ratio shows the partitioning's overhead, not a speed-up.
 """
 
 from __future__ import annotations
@@ -18,9 +21,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from csa2 import sharding
 from csa2.config import PRESETS, preset
 from infer.bench_model import Reporter, config_info, machine_info
-from train.step import TrainConfig, init_train_state, train_step
+from train.plan import parse_mesh, rerun_with_devices
+from train.step import Sharded, TrainConfig, init_train_state, train_step
+
+
+def _median_step(step, state, batch, steps: int) -> float:
+    """Median seconds of `steps` calls of a compiled `step` after one untimed call."""
+    state, _ = step(state, *batch)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, *batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,10 +47,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the compiled first one")
     ap.add_argument("--float", action="store_true", help="ablation: float forward (default: SPEC §8 fake-quant)")
+    ap.add_argument("--mesh", default=None, help="also time the step sharded on this mesh, e.g. data=8")
     args = ap.parse_args(argv)
     if min(args.batch_size, args.seq_len, args.steps) < 1:
         print("error: --batch-size, --seq-len and --steps must be ≥ 1", file=sys.stderr)
         return 2
+    try:
+        shape = None if args.mesh is None else parse_mesh(args.mesh)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    devices = 1 if shape is None else int(np.prod(list(shape.values())))
+    code = rerun_with_devices("train.bench", argv, devices)
+    if code is not None:
+        return code
     cfg = preset(args.config)
     qat = not args.float
     tc = TrainConfig(steps=args.steps + 1, batch_size=args.batch_size, seq_len=args.seq_len)
@@ -49,16 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     t2 = time.perf_counter()
     rep.emit("compile", fn="train_step", qat=qat, lower_s=round(t1 - t0, 3), compile_s=round(t2 - t1, 3),
              total_s=round(t2 - t0, 3))
-    state, _ = step(state, *batch)
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, metrics = step(state, *batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
+    med = _median_step(step, state, batch, args.steps)
     rep.emit("train_step", qat=qat, steps=args.steps, median_step_s=round(med, 4),
              tokens_per_s=round(args.batch_size * args.seq_len / med, 1))
+    if shape is not None:
+        try:
+            mesh = sharding.make_mesh(shape, jax.devices()[:devices])
+            trainer = Sharded(cfg, tc, mesh, sharding.rules_for(args.config))
+            placed = [jax.device_put(b, sharding.rows(mesh)) for b in batch]
+            state = trainer.place(init_train_state(cfg, tc))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        step = trainer.step(state, *placed, qat=qat, lower=True).compile()
+        sharded = _median_step(step, state, placed, args.steps)
+        rep.emit("train_step_sharded", qat=qat, mesh=dict(mesh.shape), devices=devices, steps=args.steps,
+                 median_step_s=round(sharded, 4), vs_one_device=round(sharded / med, 3))
     return 0
 
 

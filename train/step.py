@@ -4,6 +4,10 @@
 default (`TrainConfig.qat_from = 0`: fake-quant from the first step); float is the ablation. The MoE correction biases are
 `RouterBias` variables, which the optimizer leaves alone by type; after each step they move by
 `csa2.model.update_router_bias` from the step's measured expert loads.
+
+`Sharded(cfg, tc, mesh, rules)` is the step compiled for a device mesh (`csa2.sharding`): explicit shardings
+for the whole `TrainState` (parameters by the rules, each optimizer moment like its parameter), the batch
+split over `data`; the loads it balances by are summed over the global batch.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from csa2 import model
+from csa2 import model, sharding
 from csa2.config import ModelConfig
 from csa2.replay import EXACT, ReplayPolicy
 
@@ -153,6 +157,45 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
         "max_load": jnp.mean(jnp.max(load, axis=-1)) * cfg.n_routed_experts,  # 1.0 = perfectly balanced
     }
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
+
+
+class Sharded:
+    """`train_step` for `mesh`: `shardings` is the `TrainState` of every leaf's `NamedSharding` (parameters by
+    `rules`, each optimizer moment like the parameter it follows, counts, step and rng replicated); `place` puts
+    a state there and `step` runs one update on a batch split over `data`, the state donated, traced under the
+    mesh (the MoE runs expert-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules):
+        self.cfg, self.tc, self.mesh = cfg, tc, mesh
+        params = sharding.param_state_shardings(cfg, mesh, rules)
+        rep = sharding.replicated(mesh)
+        by_path = {path: s for path, s in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+        def like_its_parameter(path, _):  # a moment's path ends with its parameter's path (optax mirrors the tree)
+            return next((by_path[path[i:]] for i in range(len(path)) if path[i:] in by_path), rep)
+
+        moments = jax.eval_shape(optimizer(tc).init, model.abstract_params(cfg))
+        self.shardings = TrainState(params=params, opt_state=jax.tree_util.tree_map_with_path(like_its_parameter, moments),
+                                    step=rep, rng=rep)
+        self._jitted: dict[tuple, object] = {}
+
+    def place(self, state: TrainState) -> TrainState:
+        return jax.device_put(state, self.shardings)
+
+    def step(self, state: TrainState, inputs: Array, targets: Array, dense: bool = False, qat: bool = True,
+             lower: bool = False):
+        """`train_step(cfg, tc, state, inputs, targets, dense=, qat=)` (uniform loss weights); `lower=True`
+        returns it lowered for `state`, `inputs`, `targets` (placed arrays or shapes) instead of running it."""
+        sharding.check_batch(inputs.shape[0], self.mesh, "inputs")
+        if (dense, qat) not in self._jitted:
+            cfg, tc, row = self.cfg, self.tc, sharding.rows(self.mesh)
+            self._jitted[dense, qat] = jax.jit(
+                lambda s, i, t: train_step.__wrapped__(cfg, tc, s, i, t, None, dense, qat),
+                in_shardings=(self.shardings, row, row), out_shardings=(self.shardings, sharding.replicated(self.mesh)),
+                donate_argnums=(0,))
+        jitted = self._jitted[dense, qat]
+        with jax.set_mesh(self.mesh):
+            return jitted.lower(state, inputs, targets) if lower else jitted(state, inputs, targets)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "qat"))

@@ -35,6 +35,19 @@ def test_the_released_model_splits_over_the_documented_axes():
     assert sharding.spec(("experts", "embed", "mlp"), (384, 5120, 2304), mesh, rules, "w1") == \
         PartitionSpec("expert", None, "tensor")
     assert sharding.spec(("vocab", "embed"), (cfg.vocab_size, 5120), mesh, rules, "embed") == PartitionSpec("tensor", None)
+    assert sharding.spec(("groups", "layers", "engram_rows", "engram_dim"), (1, 1, 384_016_682, 256), mesh, rules,
+                         "engram table") == PartitionSpec(None, None, None, "expert")
+
+
+def test_a_rule_may_split_one_dimension_over_several_mesh_axes():
+    mesh = jax.sharding.AbstractMesh((1, 2, 4), sharding.MESH_AXES)
+    rules = {"engram_dim": ("tensor", "expert"), "embed": None}
+    assert sharding.spec(("engram_dim", "embed"), (16, 3), mesh, rules, "t") == PartitionSpec(("tensor", "expert"), None)
+    with pytest.raises(ValueError, match=r"dimension 'engram_dim' of size 12 does not split over mesh axis "
+                                         r"\('tensor', 'expert'\) of size 8"):
+        sharding.spec(("engram_dim",), (12,), mesh, rules, "t")
+    with pytest.raises(ValueError, match=r"mesh axis 'expert' would shard two dimensions"):
+        sharding.spec(("engram_dim", "experts"), (8, 4), mesh, {**rules, "experts": "expert"}, "t")
 
 
 @pytest.mark.parametrize("shape, message", [
@@ -60,6 +73,46 @@ def test_bad_rules_are_refused_by_parameter_and_axis():
         sharding.spec(("heads",), (4,), jax.sharding.AbstractMesh((2,), ("data",)), rules, "x")
     with pytest.raises(ValueError, match=r"no rules table for 'huge'"):
         sharding.rules_for("huge")
+    with pytest.raises(ValueError, match=r"'mlp' → 'expert', but the MoE's expert-parallel shard_map reads 'mlp' on "
+                                         r"mesh axis 'tensor'; map it to 'tensor' or None"):
+        sharding.param_shardings(preset("mini"), sharding.make_mesh({}), {**rules, "mlp": "expert"})
+
+
+EXPERT_PARALLEL = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from csa2 import moe, sharding
+    from csa2.config import preset
+    cfg = preset("mini")
+    params = nnx.to_pure_dict(nnx.state(moe.MoE(cfg, nnx.Rngs(0))))
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 5, cfg.hidden_size))
+    run = jax.jit(lambda p, x: moe.moe(cfg, p, x))
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(moe.moe(cfg, p, x)[0] ** 2), argnums=(0, 1)))
+    want = run(params, x), grad(params, x)
+    for shape in ({"data": 2, "tensor": 2, "expert": 2}, {"tensor": 2, "expert": 4}, {"expert": 8}):
+        mesh = sharding.make_mesh(shape)
+        with jax.set_mesh(mesh):
+            got = run(params, x), grad(params, x)
+            parallel = "sdy.manual_computation" in run.lower(params, x).as_text()
+        scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want[1]))  # gradients: relative
+        print(shape, parallel, float(jnp.max(jnp.abs(got[0][0] - want[0][0]))), float(jnp.max(jnp.abs(got[0][1] - want[0][1]))),
+              max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))) / scale)
+""")
+
+
+def test_expert_parallel_moe_equals_one_device_with_its_gradients():
+    """Under a mesh with an `expert` axis the MoE runs in a shard_map (each device its experts, one psum):
+    output, load and every gradient (router, biases, experts, shared expert, input) as on one device."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout
+    for line in lines:
+        parallel, y, load, grads = line.rsplit(" ", 4)[1:]
+        assert parallel == "True", line
+        assert float(y) <= 1e-5 and float(load) == 0.0 and float(grads) <= 1e-5, line
 
 
 EIGHT_DEVICES = textwrap.dedent("""
@@ -106,63 +159,74 @@ def test_a_released_checkpoint_loads_straight_into_its_shards_on_8_devices():
 
 
 ENTRY_POINTS = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np
+    import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
     from csa2 import model, sharding
     from csa2.config import preset
     from csa2.state import init_state
-    from train.step import TrainConfig, init_train_state, optimizer, train_step
+    from train import step as train_lib
 
-    cfg, tc = preset("mini"), TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=1, lr=3e-3)
+    cfg, tc = preset("mini"), train_lib.TrainConfig(steps=4, batch_size=8, seq_len=16, warmup=1, lr=3e-3)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 256, (8, 17)), jnp.int32)
     prompt, steps = tokens[:, :12], tokens[:, 12:]
     block = jnp.asarray(rng.integers(0, 256, (8, 4)), jnp.int32)
     accept = jnp.asarray(rng.integers(0, 5, (8,)), jnp.int32)
 
-    def run(params, state, train, put):
-        out = {"forward": model.forward(cfg, params, put(tokens))[0]}
+    def run(api, train_step, params, state, train, put):
+        out = {"forward": api.forward(params, put(tokens))[0]}
         for step in range(2):  # the warm-up's first step has lr 0
-            train, metrics = train_step(cfg, tc, train, put(tokens[:, :-1]), put(tokens[:, 1:]))
+            train, metrics = train_step(train, put(tokens[:, :-1]), put(tokens[:, 1:]))
             if step == 0:
                 out["train_loss"], out["train_grad_norm"] = metrics["loss"], metrics["grad_norm"]
-        new = train
-        out["train_step"] = new.params
-        logits, state, _ = model.prefill(cfg, params, state, put(prompt))
+        out["train_step"] = train.params
+        logits, state, _ = api.prefill(params, state, put(prompt))
         out["prefill"] = logits
         for i in range(2):
-            logits, state = model.decode_step(cfg, params, state, put(steps[:, i]))
+            logits, state = api.decode_step(params, state, put(steps[:, i]))
         out["decode_step"] = logits
-        logits, state = model.verify(cfg, params, state, put(block))
+        logits, state = api.verify(params, state, put(block))
         state = model.commit(state, put(accept), put(block[:, 0]))
         out["verify"], out["commit"] = logits, state
-        return out, new, state
+        return out, train, state
+
+    class OneDevice:
+        forward = staticmethod(lambda params, tokens: model.forward(cfg, params, tokens))
+        prefill = staticmethod(lambda *a: model.prefill(cfg, *a))
+        decode_step = staticmethod(lambda *a: model.decode_step(cfg, *a))
+        verify = staticmethod(lambda *a: model.verify(cfg, *a))
 
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     # A float cache: packed bits would turn 1e-7 differences into whole FP8/FP4 rounding steps.
-    want, _, _ = run(params, init_state(cfg, 8, 64, "float"), init_train_state(cfg, tc), lambda x: x)
+    want, _, _ = run(OneDevice, lambda *a: train_lib.train_step(cfg, tc, *a), params, init_state(cfg, 8, 64, "float"),
+                     train_lib.init_train_state(cfg, tc), lambda x: x)
     want = jax.tree.map(np.asarray, {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in want.items()})
     for shape in ({"data": 8}, {"data": 2, "tensor": 2, "expert": 2}, {"tensor": 2, "expert": 4}):
         mesh = sharding.make_mesh(shape)
         rules = sharding.rules_for("mini")
-        put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", *[None] * (x.ndim - 1))))
+        name = "x".join(str(mesh.shape[a]) for a in sharding.MESH_AXES)
+        put = lambda x: jax.device_put(x, sharding.rows(mesh))
+        api, trainer = sharding.Sharded(cfg, mesh, rules), train_lib.Sharded(cfg, tc, mesh, rules)
         sharded = sharding.shard_params(cfg, params, mesh, rules)
-        train = init_train_state(cfg, tc)
-        trained = sharding.shard_params(cfg, train.params, mesh, rules)
-        train = train.replace(params=trained, opt_state=optimizer(tc).init(trained))
-        got, new, state = run(sharded, sharding.init_state(cfg, 8, 64, mesh, "float"), train, put)
-        shardings = sharding.param_shardings(cfg, mesh, rules)
-        for a, s in zip(jax.tree.leaves(nnx.to_pure_dict(new.params)), jax.tree.leaves(shardings)):
+        state = sharding.init_state(cfg, 8, 64, mesh, "float")
+        lowered = api.decode_step(sharded, state, put(steps[:, 0]), lower=True).as_text()
+        print("expert-parallel", name, "sdy.manual_computation" in lowered)
+        got, train, state = run(api, trainer.step, sharded, state, trainer.place(train_lib.init_train_state(cfg, tc)), put)
+        for a, s in zip(jax.tree.leaves(train), jax.tree.leaves(trainer.shardings)):
             assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)
-        for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(sharding.state_shardings(state, mesh))):
-            assert a.size == 0 or a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)  # (ratio-1 tails are empty)
+        shardings = sharding.param_shardings(cfg, mesh, rules)
+        for a, s in zip(jax.tree.leaves(nnx.to_pure_dict(train.params)), jax.tree.leaves(shardings)):
+            assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)
+        mu = optax.tree.get(train.opt_state, "mu")  # AdamW's first moment
+        w1, mu_w1 = train.params["groups"][0][0]["moe"]["w1"], mu["groups"][0][0]["moe"]["w1"]
+        assert mu_w1.sharding.is_equivalent_to(w1.sharding, w1.ndim), (mu_w1.sharding, w1.sharding)
+        for a in jax.tree.leaves(state):
+            assert a.sharding.is_equivalent_to(sharding.rows(mesh), a.ndim), a.sharding
         got = jax.tree.map(np.asarray, {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in got.items()})
-        for name in want:
-            pairs = zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name]))
+        for key in want:
+            pairs = zip(jax.tree.leaves(got[key]), jax.tree.leaves(want[key]))
             diffs = np.concatenate([np.abs(g.astype(np.float64) - w).ravel() for g, w in pairs])
-            print(f"{name} {'x'.join(str(mesh.shape[a]) for a in sharding.MESH_AXES)} {diffs.max():.3g} "
-                  f"{np.mean(diffs > 1e-5):.3g}")
+            print(f"{key} {name} {diffs.max():.3g} {np.mean(diffs > 1e-5):.3g}")
 """)
 
 
@@ -179,7 +243,10 @@ def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
     out = subprocess.run([sys.executable, "-c", ENTRY_POINTS], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
+    lines = out.stdout.splitlines()
+    assert {line for line in lines if line.startswith("expert-parallel")} == {
+        "expert-parallel 8x1x1 False", "expert-parallel 2x2x2 True", "expert-parallel 1x2x4 True"}
+    rows = [line.split() for line in lines if not line.startswith("expert-parallel")]
     worst = {(r[0], r[1]): float(r[2]) for r in rows}
     share = {(r[0], r[1]): float(r[3]) for r in rows}  # share of values off by more than 1e-5
     names = ("forward", "train_loss", "train_grad_norm", "train_step", "prefill", "decode_step", "verify", "commit")

@@ -1,0 +1,79 @@
+"""`python -m train.plan`: per-device memory of the sharded decode and train steps, from shapes alone."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from train import plan
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+PLAN = textwrap.dedent("""
+    import jax, numpy as np
+    from csa2 import model, sharding, state
+    from csa2.config import preset
+    from train import plan
+    cfg = preset("mini")
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2})
+    p = plan.plan(cfg, mesh, sharding.rules_for("mini"), context=128, batch=2, seq_len=32)
+    whole = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.abstract_params(cfg)))
+    print("state", p.state, state.state_bytes(state.abstract_state(cfg, 2, 128, "fp4"))["total"])
+    print("params", p.params, whole)
+    print("opt_state", p.opt_state)
+    for name, program in (("decode", p.decode), ("train", p.train)):
+        print(name, program.arguments, program.aliased, program.temporaries, program.peak,
+              program.collectives["all-reduce"])
+""")
+
+
+def test_the_plan_of_mini_on_8_devices_counts_each_devices_share():
+    """The request state is split over data=2 exactly; parameters over tensor and expert (so a device holds
+    more than an eighth and less than all); AdamW's two moments at most twice the parameters. The decode step
+    takes the parameters it reads and the state, and writes the new state into the donated one; the train step
+    takes and donates the whole train state. Both combine partial sums with all-reduces."""
+    env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", PLAN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out.stdout.splitlines()}
+    held, total = rows["state"]
+    assert held * 2 == total
+    params, whole = rows["params"]
+    assert whole / 8 < params < whole
+    assert params < rows["opt_state"][0] <= 2 * params + 1024
+    arguments, aliased, temporaries, peak, all_reduce = rows["decode"]
+    assert held < arguments <= params + held + 64 and aliased == held
+    assert temporaries > 0 and peak >= arguments + temporaries - aliased and all_reduce > 0
+    arguments, aliased, temporaries, peak, all_reduce = rows["train"]
+    assert arguments >= aliased >= params + rows["opt_state"][0] and temporaries > 0 and all_reduce > 0
+
+
+def test_the_command_prints_its_table():
+    """The command runs itself again on as many simulated devices as its mesh names."""
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--preset", "mini", "--mesh", "data=2,expert=2",
+                          "--context", "128", "--batch", "2", "--seq-len", "16"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert text.startswith("plan: mini on mesh data=2 × tensor=1 × expert=2 (4 devices)"), text
+    for label in ("parameters (held)", "optimizer state (held)", "request state (held)", "temporaries", "peak",
+                  "all-reduce"):
+        assert label in text, label
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh", "data=x"], r"'data=x' is not axis=size"),
+    (["--mesh", "model=2"], r"mesh axes \['model'\] are unknown"),
+    (["--mesh", "data=2", "--batch", "3"], r"batch: batch 3 does not split over mesh axis 'data' of size 2"),
+    (["--mesh", "expert=3"], r"'experts' of size 4 does not split over mesh axis 'expert' of size 3; pick a mesh size"),
+])
+def test_bad_meshes_are_refused_with_the_fix(argv, message, capfd):
+    code = plan.main(["--preset", "mini", "--context", "128", "--seq-len", "16", *argv])
+    err = capfd.readouterr().err
+    assert code == 2
+    assert re.search(message, err), err

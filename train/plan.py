@@ -1,0 +1,177 @@
+"""`python -m train.plan --preset v41_flash --mesh data=8,tensor=8,expert=8 --context 1048576 --batch 8`: the
+per-device memory of the decode step and the train step on a device mesh, ahead of time.
+
+Nothing is materialized: parameters, optimizer state, request state and tokens are `jax.ShapeDtypeStruct`s
+carrying their shardings (`csa2.sharding`), the two steps are lowered and compiled for the mesh
+(`csa2.sharding.Sharded`, `train.step.Sharded`), and the figures come from the shardings (bytes each device
+holds) and from the compiled programs' memory analysis (arguments, outputs, donated aliases, temporaries),
+next to the collectives the partitioner put in each program. A mesh needs as many devices as it names; when
+this process has fewer, the command runs itself again on that many simulated CPU devices, so the
+temporaries are XLA:CPU's buffer assignment (an accelerator's fusion differs; the held bytes do not).
+
+It lives in `train` because it compiles the train step (`csa2` does not import `train`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2 import model, sharding
+from csa2 import state as state_lib
+from csa2.config import PRESETS, ModelConfig, preset
+from csa2.state import CACHE_FORMATS
+from train.step import TrainConfig, Sharded as ShardedTrain, init_train_state
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_ENV = "CSA2_PLAN_DEVICES"  # set in the re-run, so it never re-runs itself twice
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled step's memory analysis (bytes per device) and its collective ops by kind."""
+    arguments: int
+    outputs: int
+    aliased: int  # outputs written into donated arguments
+    temporaries: int
+    collectives: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        """Arguments + outputs − aliased + temporaries: what the step needs live at once."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Bytes per device of what a mesh holds (`params`, `opt_state`, `state`) and of the two steps."""
+    mesh: dict[str, int]
+    params: int
+    opt_state: int
+    state: int
+    decode: Program
+    train: Program
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`"data=8,expert=64"` → `{"data": 8, "expert": 64}` (axes of `csa2.sharding.MESH_AXES`)."""
+    shape = {}
+    for part in filter(None, text.split(",")):
+        axis, _, size = part.partition("=")
+        if not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh {text!r}: {part!r} is not axis=size; write e.g. data=8,tensor=8,expert=8")
+        shape[axis.strip()] = int(size)
+    return shape
+
+
+def held_bytes(tree) -> int:
+    """Bytes one device holds of `tree`'s arrays (`ShapeDtypeStruct`s or arrays with a `NamedSharding`)."""
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def _program(compiled: jax.stages.Compiled) -> Program:
+    stats = compiled.memory_analysis()
+    found = _COLLECTIVE.findall(compiled.as_text())
+    return Program(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+                   aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
+                   collectives={op: found.count(op) for op in COLLECTIVES})
+
+
+def _placed(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def plan(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules, context: int, batch: int, seq_len: int,
+         cache_format: str = "fp4", tc: TrainConfig = TrainConfig()) -> Plan:
+    """Compile `decode_step` (a `batch`-row state of `context` tokens) and `train_step` (`batch` × `seq_len`)
+    for `mesh` from shapes alone and measure them."""
+    for name, value in (("context", context), ("batch", batch), ("seq_len", seq_len)):
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be ≥ 1")
+    sharding.check_batch(batch, mesh, "batch")
+    api, trainer = sharding.Sharded(cfg, mesh, rules), ShardedTrain(cfg, tc, mesh, rules)
+    row = sharding.rows(mesh)
+    params = _placed(model.abstract_params(cfg), api.params)
+    abstract = state_lib.abstract_state(cfg, batch, context, cache_format)
+    state = _placed(abstract, sharding.state_shardings(abstract, mesh))
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=row)
+    decode = _program(api.decode_step(params, state, tokens, lower=True).compile())
+    train_state = _placed(jax.eval_shape(lambda: init_train_state(cfg, tc)), trainer.shardings)
+    batch_tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=row)
+    train = _program(trainer.step(train_state, batch_tokens, batch_tokens, lower=True).compile())
+    return Plan(mesh=dict(mesh.shape), params=held_bytes(params), opt_state=held_bytes(train_state.opt_state),
+                state=held_bytes(state), decode=decode, train=train)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.3f} MB"
+
+
+def report(name: str, p: Plan, context: int, batch: int, seq_len: int, cache_format: str) -> str:
+    """The plan as a table (per device; GB = 1e9 bytes, MB = 1e6)."""
+    mesh = " × ".join(f"{a}={n}" for a, n in p.mesh.items())
+    rows = [
+        f"plan: {name} on mesh {mesh} ({int(np.prod(list(p.mesh.values())))} devices); decode: batch {batch}, "
+        f"{cache_format} state of {context:,} tokens; train: batch {batch} × {seq_len} tokens, AdamW",
+        "per device                          decode step     train step",
+        f"  parameters (held)             {_gb(p.params):>14} {_gb(p.params):>14}",
+        f"  optimizer state (held)        {'':>14} {_gb(p.opt_state):>14}",
+        f"  request state (held)          {_gb(p.state):>14} {'':>14}",
+        f"  program arguments             {_gb(p.decode.arguments):>14} {_gb(p.train.arguments):>14}",
+        f"  program outputs               {_gb(p.decode.outputs):>14} {_gb(p.train.outputs):>14}",
+        f"  donated (outputs in place)    {_gb(p.decode.aliased):>14} {_gb(p.train.aliased):>14}",
+        f"  temporaries                   {_gb(p.decode.temporaries):>14} {_gb(p.train.temporaries):>14}",
+        f"  peak (args + out − donated + temp) {_gb(p.decode.peak):>9} {_gb(p.train.peak):>14}",
+        "collectives in the compiled programs (a scanned body's ops count once)",
+    ]
+    for op in COLLECTIVES:
+        rows.append(f"  {op:<28}  {p.decode.collectives[op]:>14} {p.train.collectives[op]:>14}")
+    return "\n".join(rows)
+
+
+def rerun_with_devices(module: str, argv: list[str] | None, devices: int) -> int | None:
+    """When this process has fewer than `devices` devices, run `python -m module argv` again on that many
+    simulated CPU devices and return its exit code; None when this process has enough (or is the re-run)."""
+    if jax.device_count() >= devices or os.environ.get(_ENV):
+        return None
+    env = {**os.environ, _ENV: "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+    return subprocess.run([sys.executable, "-m", module, *(sys.argv[1:] if argv is None else argv)], env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="v41_flash", choices=PRESETS)
+    parser.add_argument("--mesh", default="data=8,tensor=8,expert=8", help="axis=size,… over data, tensor, expert")
+    parser.add_argument("--context", type=int, default=1 << 20, help="tokens per row of the decode state")
+    parser.add_argument("--batch", type=int, default=8, help="rows of the decode state and of the train batch")
+    parser.add_argument("--seq-len", type=int, default=4096, help="train sequence length")
+    parser.add_argument("--format", default="fp4", choices=CACHE_FORMATS, dest="cache_format")
+    args = parser.parse_args(argv)
+    try:
+        shape = parse_mesh(args.mesh)
+        devices = int(np.prod(list(shape.values())))
+        code = rerun_with_devices("train.plan", argv, devices)
+        if code is not None:
+            return code
+        mesh = sharding.make_mesh(shape, jax.devices()[:devices])
+        p = plan(preset(args.preset), mesh, sharding.rules_for(args.preset), args.context, args.batch, args.seq_len,
+                 args.cache_format)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(args.preset, p, args.context, args.batch, args.seq_len, args.cache_format))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
