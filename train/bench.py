@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if shape is not None:
         try:
             mesh = sharding.make_mesh(shape, jax.devices()[:devices])
+            sharding.check_batch(args.batch_size, mesh, "--batch-size")
             trainer = Sharded(cfg, tc, mesh, sharding.rules_for(args.config))
             placed = [jax.device_put(b, sharding.rows(mesh)) for b in batch]
             state = trainer.place(init_train_state(cfg, tc))

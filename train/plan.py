@@ -7,7 +7,10 @@ carrying their shardings (`csa2.sharding`), the two steps are lowered and compil
 holds) and from the compiled programs' memory analysis (arguments, outputs, donated aliases, temporaries),
 next to the collectives the partitioner put in each program. A mesh needs as many devices as it names; when
 this process has fewer, the command runs itself again on that many simulated CPU devices, so the
-temporaries are XLA:CPU's buffer assignment (an accelerator's fusion differs; the held bytes do not).
+temporaries are XLA:CPU's buffer assignment (an accelerator's fusion differs; the held bytes do not). In
+particular XLA:CPU lowers `lax.ragged_dot` densely, each local expert over every routed row (E/expert times
+the output), so the MoE's temporaries, and most of the train step's (kept for the backward pass), are far
+above what a grouped-matmul kernel on an accelerator needs.
 
 It lives in `train` because it compiles the train step (`csa2` does not import `train`).
 """
@@ -27,7 +30,7 @@ import numpy as np
 
 from csa2 import model, sharding
 from csa2 import state as state_lib
-from csa2.config import PRESETS, ModelConfig, preset
+from csa2.config import ENGRAM_TABLE_FORMATS, PRESETS, ModelConfig, preset
 from csa2.state import CACHE_FORMATS
 from train.step import TrainConfig, Sharded as ShardedTrain, init_train_state
 
@@ -131,6 +134,7 @@ def report(name: str, p: Plan, context: int, batch: int, seq_len: int, cache_for
         f"  donated (outputs in place)    {_gb(p.decode.aliased):>14} {_gb(p.train.aliased):>14}",
         f"  temporaries                   {_gb(p.decode.temporaries):>14} {_gb(p.train.temporaries):>14}",
         f"  peak (args + out − donated + temp) {_gb(p.decode.peak):>9} {_gb(p.train.peak):>14}",
+        "  (temporaries: XLA:CPU's, whose dense ragged_dot overstates the MoE's; see train.plan)",
         "collectives in the compiled programs (a scanned body's ops count once)",
     ]
     for op in COLLECTIVES:
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="rows of the decode state and of the train batch")
     parser.add_argument("--seq-len", type=int, default=4096, help="train sequence length")
     parser.add_argument("--format", default="fp4", choices=CACHE_FORMATS, dest="cache_format")
+    parser.add_argument("--engram-table", default=None, choices=ENGRAM_TABLE_FORMATS,
+                        help="Engram tables in float (trainable; the preset's default) or as released FP8 rows")
     args = parser.parse_args(argv)
     try:
         shape = parse_mesh(args.mesh)
@@ -164,12 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         if code is not None:
             return code
         mesh = sharding.make_mesh(shape, jax.devices()[:devices])
-        p = plan(preset(args.preset), mesh, sharding.rules_for(args.preset), args.context, args.batch, args.seq_len,
+        cfg = preset(args.preset)
+        cfg = cfg if args.engram_table is None else cfg.replace(engram_table_format=args.engram_table)
+        p = plan(cfg, mesh, sharding.rules_for(args.preset), args.context, args.batch, args.seq_len,
                  args.cache_format)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report(args.preset, p, args.context, args.batch, args.seq_len, args.cache_format))
+    print(report(f"{args.preset} (Engram tables: {cfg.engram_table_format})", p, args.context, args.batch,
+                 args.seq_len, args.cache_format))
     return 0
 
 

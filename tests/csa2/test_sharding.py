@@ -231,9 +231,10 @@ ENTRY_POINTS = textwrap.dedent("""
 
 
 def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
-    """forward, a train step, prefill + decode, verify + commit (float cache) on meshes 8×1×1, 2×2×2 and 1×2×4
-    (data, tensor, expert): within 1e-5 of one device, parameters keep their rules' shardings through training
-    and every state leaf stays split over `data`.
+    """forward, a train step, prefill + decode, verify + commit (float cache) through `sharding.Sharded` and
+    `train.step.Sharded` (explicit in/out shardings) on meshes 8×1×1, 2×2×2 and 1×2×4 (data, tensor, expert):
+    within 1e-5 of one device; the meshes with an expert axis run the MoE expert-parallel (a shard_map in the
+    lowered program); parameters, optimizer moments and every state leaf keep their shardings.
 
     Two results amplify last-ulp differences of the partitioned sums, so they are held to what that can cost:
     the cache's SPEC §8 fake-quant can flip a rare element by one FP4 step (a few 1e-4 in the verify logits, as

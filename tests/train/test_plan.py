@@ -60,7 +60,7 @@ def test_the_command_prints_its_table():
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    assert text.startswith("plan: mini on mesh data=2 × tensor=1 × expert=2 (4 devices)"), text
+    assert text.startswith("plan: mini (Engram tables: float) on mesh data=2 × tensor=1 × expert=2 (4 devices)"), text
     for label in ("parameters (held)", "optimizer state (held)", "request state (held)", "temporaries", "peak",
                   "all-reduce"):
         assert label in text, label
