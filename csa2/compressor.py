@@ -67,11 +67,11 @@ def compress(cfg: ModelConfig, params: dict, ratio: int, source: SourceKV, tail:
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [B, S]
     valid = jnp.arange(S)[None, :] < n_valid[:, None]  # [B, S]
     x = jnp.where(valid[..., None], x.astype(jnp.float32), 0.0)  # padding reaches no value
-    kv = x @ params["wkv"]  # [B, S, D]
+    kv = _project(x, params["wkv"])  # [B, S, D]
     if ratio == 1:
         entry, complete, latent = positions, valid, kv  # [B, S], [B, S], [B, S, D]
     else:
-        gate = x @ params["wgate"]  # [B, S, D]
+        gate = _project(x, params["wgate"])  # [B, S, D]
         entry, complete, latent = _pool(tail, kv, gate, start, n_valid, ratio)
         end = start + n_valid
         tail = CompressorTail(kv=cache.ring_scatter(tail.kv, positions, kv, valid, end),
@@ -80,6 +80,14 @@ def compress(cfg: ModelConfig, params: dict, ratio: int, source: SourceKV, tail:
         complete = complete & (entry * ratio + ratio - 1 >= written_from[:, None])
     latent = rms_norm(latent, params["norm"], cfg.rms_norm_eps)
     return _write_entries(cfg, params, ratio, source, latent, entry, complete, quantize), tail
+
+
+def _project(x: Array, w: Array) -> Array:
+    """`x @ w` in float32 at full precision (SPEC §4: kv_j and z_j are fp32): default-precision float32
+    matmuls are bfloat16 passes on TPU and TF32 on some GPUs."""
+    with jax.named_scope("fp32_compressor"):
+        return jnp.matmul(x, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
 
 
 def _pool(tail: CompressorTail, kv: Array, gate: Array, start: Array, n_valid: Array,

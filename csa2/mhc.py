@@ -56,7 +56,9 @@ def coefficients(cfg: ModelConfig, params: dict, X: Array) -> tuple[Array, Array
         raise ValueError(f"X.shape={X.shape}: expected [..., {n}, {d}] (hc_mult streams of hidden_size)")
     flat = X.astype(jnp.float32).reshape(*X.shape[:-2], n * d)
     # (W_hc·flat)·rsqrt(mean(flat²)+eps) of SPEC §10, normalized first as transformers does (linear ⇒ equal).
-    mixes = jnp.matmul(rms_norm(flat, None, cfg.rms_norm_eps), params["fn"].astype(jnp.float32), precision=_HIGHEST)
+    with jax.named_scope("fp32_mhc"):
+        mixes = jnp.matmul(rms_norm(flat, None, cfg.rms_norm_eps), params["fn"].astype(jnp.float32),
+                           precision=_HIGHEST)
     base, scale = params["base"].astype(jnp.float32), params["scale"].astype(jnp.float32)
     eps = cfg.hc_eps
     pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + eps
@@ -93,7 +95,8 @@ def update(X: Array, f_out: Array, post: Array, comb: Array) -> Array:
     _check_streams(X, "comb", comb, 2)
     if f_out.shape[-1:] != X.shape[-1:]:
         raise ValueError(f"f_out.shape={f_out.shape}: expected [..., {X.shape[-1]}] (the d of X.shape={X.shape})")
-    mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(jnp.float32), X.astype(jnp.float32), precision=_HIGHEST)
+    with jax.named_scope("fp32_mhc"):
+        mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(jnp.float32), X.astype(jnp.float32), precision=_HIGHEST)
     out = post.astype(jnp.float32)[..., None] * f_out.astype(jnp.float32)[..., None, :] + mixed
     return out.astype(X.dtype)
 

@@ -83,7 +83,9 @@ def route(cfg: ModelConfig, params: dict, x: Array, image_mask: Array | None = N
     """Routing weights `[T, k]` f32, experts `[T, k]` int32 and scores `s` `[T, E]` f32 of the flattened tokens."""
     _check(cfg, x, image_mask)
     x = x.reshape(-1, cfg.hidden_size).astype(jnp.float32)
-    logits = jnp.matmul(x, params["router"].astype(jnp.float32), preferred_element_type=jnp.float32)
+    with jax.named_scope("fp32_router"):
+        logits = jnp.matmul(x, params["router"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
     scores = jnp.sqrt(jax.nn.softplus(logits / cfg.gate_temp))  # [T, E]
     bias = params["bias"]
     if image_mask is not None:

@@ -3,7 +3,8 @@ oracle every other backend is tested against (SPEC §3, §5).
 
 Reads gather first and dequantize after the gather (`Stored.gather`), with the bit-level decoders
 of `formats`, so the reference and the kernels see bit-identical entries. Inner products
-accumulate in float32 at `HIGHEST` precision (SPEC: attention logits and indexer scores are fp32).
+accumulate in float32 at `HIGHEST` precision (SPEC: attention logits and indexer scores are fp32), under
+the named scopes `fp32_attention` and `fp32_indexer` that `tests/csa2/test_precision.py` finds in the HLO.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def sink_probabilities(q: Array, keys: Array, valid: Array, sink: Array) -> Arra
     q [B, S, H, D], keys [B, S, E, D], valid [B, S, E], sink [H]. A row with no valid entry puts
     all its mass on the sink (probabilities 0).
     """
-    logits = jnp.einsum("bshd,bsed->bshe", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_HIGHEST,
-                        preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    with jax.named_scope("fp32_attention"):
+        logits = jnp.einsum("bshd,bsed->bshe", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_HIGHEST,
+                            preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
     sink = sink.astype(jnp.float32)[None, None, :, None]
     m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf), sink)  # finite thanks to the sink
@@ -48,7 +50,8 @@ def sink_probabilities(q: Array, keys: Array, valid: Array, sink: Array) -> Arra
 def sink_attention(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
     """Core attention with K = V over gathered entries: `Σ_e p_e kv_e` [B, S, H, D] float32 (SPEC §3)."""
     probs = sink_probabilities(q, keys, valid, sink)
-    return jnp.einsum("bshe,bsed->bshd", probs, keys.astype(jnp.float32), precision=_HIGHEST)
+    with jax.named_scope("fp32_attention"):
+        return jnp.einsum("bshe,bsed->bshd", probs, keys.astype(jnp.float32), precision=_HIGHEST)
 
 
 @jax.jit
@@ -67,7 +70,8 @@ def sparse_attention(q: Array, sink: Array, main: Stored, main_idx: Array, windo
 
 def weighted_relu(dots: Array, w: Array) -> Array:
     """Σ_h w_h · relu(dots_h): dots [B, S, Hi, P], w [B, S, Hi] → [B, S, P] float32 (SPEC §5)."""
-    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), w.astype(jnp.float32), precision=_HIGHEST)
+    with jax.named_scope("fp32_indexer"):
+        return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), w.astype(jnp.float32), precision=_HIGHEST)
 
 
 @jax.jit
@@ -75,8 +79,9 @@ def indexer_scores(q: Array, w: Array, ikey: Stored, visible: Array) -> Array:
     """Σ_h w_h · relu(qI_h · k_n) over all entries [B, S, N] float32, −inf where n ≥ visible[b, s] (SPEC §5)."""
     _common.check_indexer(q, w, ikey, visible)
     keys = ikey.decode()  # [B, N, Di]
-    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys, precision=_HIGHEST,
-                      preferred_element_type=jnp.float32)
+    with jax.named_scope("fp32_indexer"):
+        dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys, precision=_HIGHEST,
+                          preferred_element_type=jnp.float32)
     seen = jnp.arange(keys.shape[1], dtype=jnp.int32) < visible[..., None]  # [B, S, N]
     return jnp.where(seen, weighted_relu(dots, w), -jnp.inf)
 
@@ -89,8 +94,9 @@ def indexer_scores_gathered(q: Array, w: Array, ikey: Stored, ids: Array, visibl
     """
     _common.check_indexer(q, w, ikey, visible, ids)
     keys, valid = gather_entries(ikey, ids)  # [B, S, P, Di]
-    dots = jnp.einsum("bshd,bspd->bshp", q.astype(jnp.float32), keys, precision=_HIGHEST,
-                      preferred_element_type=jnp.float32)
+    with jax.named_scope("fp32_indexer"):
+        dots = jnp.einsum("bshd,bspd->bshp", q.astype(jnp.float32), keys, precision=_HIGHEST,
+                          preferred_element_type=jnp.float32)
     return jnp.where(valid & (ids < visible[..., None]), weighted_relu(dots, w), -jnp.inf)
 
 
