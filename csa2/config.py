@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 RELEASED, VARIANT, RUNTIME = "released", "variant", "runtime"
 _DTYPES = ("float32", "bfloat16")
-_KERNEL_IMPLS = ("xla", "pallas")
+_KERNEL_IMPLS = ("xla", "pallas", "auto")  # pallas_kernels.ops.CHOICES
 ENGRAM_TABLE_FORMATS = ("float", "fp8")
 
 
@@ -106,7 +106,7 @@ class ModelConfig:
     tie_word_embeddings: bool = _released(False)
     # --- framework fields
     dtype: str = _framework("bfloat16", RUNTIME)  # compute dtype; params and statistics stay float32 (DESIGN §6)
-    kernel_impl: str = _framework("xla", RUNTIME)  # "xla" | "pallas" (DESIGN §4)
+    kernel_impl: str = _framework("xla", RUNTIME)  # "xla" | "pallas" | "auto": kernels off CPU (DESIGN §4)
     max_draft: int = _framework(5, RUNTIME)  # most drafts a verify block carries (γ); SWA rings hold W + max_draft slots
     mhc_single_pass: bool = _framework(True, VARIANT)  # SPEC §10: V4.1 collapses each site with the previous site's pre
     engram_table_format: str = _framework("float", VARIANT)  # "float" (trainable) | "fp8": FP8 rows as released (SPEC §10b)
@@ -201,7 +201,7 @@ def validate(cfg: ModelConfig) -> None:
     if cfg.kernel_impl not in _KERNEL_IMPLS:
         _fail("kernel_impl", cfg.kernel_impl, f"use one of {_KERNEL_IMPLS}")
     block = cfg.candidate_block_size
-    if cfg.kernel_impl == "pallas" and block & (block - 1):
+    if cfg.kernel_impl != "xla" and block & (block - 1):
         _fail("candidate_block_size", block, "the Pallas block-max kernel needs a power of two; use 4, 8, … "
               "or kernel_impl='xla'")
     if cfg.scoring_func != "sqrtsoftplus":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.formats import INDEX, MAIN, WINDOW, QuantFormat
@@ -16,31 +17,53 @@ from pallas_kernels.stored import Stored
 Array = jax.Array
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-    """`interpret=None` → True on CPU (the Pallas interpreter), False on GPU.
+# Where a kernel runs: "interpret" (the Pallas interpreter), "tpu_interpret" (the interpreter with TPU
+# semantics, `pltpu.InterpretParams`: Mosaic's compiler params and memory model, on CPU), "triton" (GPU),
+# "mosaic" (TPU).
+TARGETS = ("interpret", "tpu_interpret", "triton", "mosaic")
 
-    The kernels gather rows with vector-indexed ref loads, which lower through Triton (GPU) but
-    not through Mosaic (TPU needs scalar-prefetched ids and per-row DMAs), so a compiled TPU
-    run is refused with a clear message instead of an obscure Mosaic error.
-    """
+
+def resolve_target(interpret: bool | None, kernel: str, mosaic: bool) -> str:
+    """`interpret=True` → "interpret"; None → from the backend: the interpreter on CPU, Triton on GPU, Mosaic on
+    TPU where `kernel` has a Mosaic form (`mosaic`). The gathering kernels load rows with vector-indexed refs,
+    which Triton lowers and Mosaic does not (TPU needs scalar-prefetched ids and per-row DMAs), so a TPU run
+    of one of them is refused with a clear message instead of an obscure Mosaic error."""
     backend = jax.default_backend()
-    if interpret is None:
-        interpret = backend == "cpu"
-    if not interpret and backend not in ("gpu", "cuda", "rocm"):
-        raise NotImplementedError(
-            f"pallas_kernels compiles for GPU (Triton) only; backend={backend!r}. Use impl='xla' "
-            "here, or interpret=True to run the kernels in the Pallas interpreter.")
-    return interpret
+    if interpret or (interpret is None and backend == "cpu"):
+        return "interpret"
+    if backend in ("gpu", "cuda", "rocm"):
+        return "triton"
+    if backend == "tpu" and mosaic:
+        return "mosaic"
+    raise NotImplementedError(
+        f"pallas_kernels.{kernel} compiles for GPU (Triton){' and TPU (Mosaic)' if mosaic else ''} only; "
+        f"backend={backend!r}. Use impl='xla' here, or interpret=True to run it in the Pallas interpreter.")
 
 
-def compiler_params(interpret: bool, num_warps: int, num_stages: int = 2):
-    """Triton compiler params on GPU (this also selects the Triton lowering over Mosaic GPU)."""
-    return None if interpret else plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+def mosaic(target: str) -> bool:
+    """Mosaic's block rule holds (compiled for TPU or interpreted with TPU semantics): each block's last two
+    dims are multiples of (8, 128) or the whole array dim."""
+    return target in ("mosaic", "tpu_interpret")
 
 
-def min_block(interpret: bool) -> int:
-    """Smallest dot operand dim: Triton's tensor-core dots need M, N, K ≥ 16; the interpreter needs 1."""
-    return 1 if interpret else 16
+def interpret_arg(target: str):
+    """`pallas_call(interpret=...)` of a target."""
+    return {"interpret": True, "tpu_interpret": pltpu.InterpretParams()}.get(target, False)
+
+
+def compiler_params(target: str, num_warps: int, grid_rank: int, num_stages: int = 2):
+    """Triton params on GPU (they also select Triton over Mosaic GPU); Mosaic params on TPU, every grid axis
+    parallel (each program writes its own output block)."""
+    if target == "triton":
+        return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if target in ("mosaic", "tpu_interpret"):
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
+    return None
+
+
+def min_block(target: str) -> int:
+    """Smallest dot operand dim: Triton's tensor-core dots need M, N, K ≥ 16; elsewhere 1."""
+    return 16 if target == "triton" else 1
 
 
 def next_pow2(n: int) -> int:

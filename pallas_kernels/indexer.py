@@ -52,23 +52,27 @@ def _scores_kernel(*refs, packed: bool, block_n: int):
     o_ref[...] = jnp.where(col < vis_ref[...], scores, -jnp.inf)  # vis [BS, 1]
 
 
-def _pick_block_n(n: int, block_n: int, least: int) -> tuple[int, int]:
-    """(key block, padded N): the largest power of two ≤ block_n dividing N, else pad N (copies the keys)."""
+def _pick_block_n(n: int, block_n: int, least: int, mosaic: bool) -> tuple[int, int]:
+    """(key block, padded N): the largest power of two ≤ block_n dividing N, else pad N (copies the keys).
+    Mosaic: all N in one block when N ≤ block_n, else blocks of a multiple of 128 lanes."""
+    if mosaic:
+        return (n, n) if n <= block_n else (max(128, block_n), _common.round_up(n, max(128, block_n)))
     bn = max(least, min(block_n, _common.next_pow2(n)))
     while bn > max(8, least) and n % bn:
         bn //= 2
     return (bn, n) if n % bn == 0 else (bn, _common.round_up(n, bn))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_s", "block_n", "num_warps"))
-def _indexer_scores(q, w, ikey: Stored, visible, *, interpret, block_s, block_n, num_warps):
+@functools.partial(jax.jit, static_argnames=("target", "block_s", "block_n", "num_warps"))
+def _indexer_scores(q, w, ikey: Stored, visible, *, target, block_s, block_n, num_warps):
     b, s, hi, di = q.shape
     n = ikey.rows
     ikey, ikey_scale = ikey.bits()
     bs = min(block_s, _common.next_pow2(s))
-    bs = max(bs, _common.next_pow2(-(-_common.min_block(interpret) // hi)))  # dot rows bs·Hi ≥ 16 on GPU
+    bs = max(bs, _common.next_pow2(-(-_common.min_block(target) // hi)))  # dot rows bs·Hi ≥ 16 on GPU
+    bs = max(bs, 8) if _common.mosaic(target) else bs  # Mosaic: query rows in whole sublane tiles
     sp = _common.round_up(s, bs)
-    bn, npad = _pick_block_n(n, block_n, _common.min_block(interpret))
+    bn, npad = _pick_block_n(n, block_n, _common.min_block(target), _common.mosaic(target))
     q = _common.pad_axis(q, 1, sp, 0)
     w = _common.pad_axis(w, 1, sp, 0)
     vis = _common.pad_axis(visible.astype(jnp.int32), 1, sp, 0)[..., None]  # [B, Sp, 1]
@@ -82,7 +86,7 @@ def _indexer_scores(q, w, ikey: Stored, visible, *, interpret, block_s, block_n,
                   pl.BlockSpec((None, bs, 1), lambda b_, s_, n_: (b_, s_, 0))] + key_specs,
         out_specs=pl.BlockSpec((None, bs, bn), lambda b_, s_, n_: (b_, s_, n_)),
         out_shape=jax.ShapeDtypeStruct((b, sp, npad), jnp.float32),
-        interpret=interpret, compiler_params=_common.compiler_params(interpret, num_warps),
+        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 3),
         name="csa2_indexer_scores",
     )(q, w, vis, *keys)
     return out[:, :s, :n]
@@ -96,7 +100,7 @@ def indexer_scores(q, w, ikey: Stored, visible, *, interpret: bool | None = None
     """
     _common.check_indexer(q, w, ikey, visible)
     _check_pow2(block_s=block_s, block_n=block_n)
-    return _indexer_scores(q, w, ikey, visible, interpret=_common.resolve_interpret(interpret),
+    return _indexer_scores(q, w, ikey, visible, target=_common.resolve_target(interpret, "indexer_scores", True),
                            block_s=block_s, block_n=block_n, num_warps=num_warps)
 
 
@@ -112,12 +116,12 @@ def _gathered_kernel(*refs, packed: bool):
     o_ref[...] = jnp.where(found & (ids < vis_ref[...]), scores, -jnp.inf)  # vis [1]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_p", "num_warps"))
-def _indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, interpret, block_p, num_warps):
+@functools.partial(jax.jit, static_argnames=("target", "block_p", "num_warps"))
+def _indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, target, block_p, num_warps):
     b, s, hi, di = q.shape
     p = ids.shape[-1]
     ikey, ikey_scale = ikey.bits()
-    bp = max(_common.min_block(interpret), min(block_p, _common.next_pow2(max(p, 1))))
+    bp = max(_common.min_block(target), min(block_p, _common.next_pow2(max(p, 1))))
     pp = _common.round_up(max(p, 1), bp)
     ids = _common.pad_axis(ids.astype(jnp.int32), 2, pp, -1)
     keys = [x for x in (ikey, ikey_scale) if x is not None]
@@ -131,7 +135,7 @@ def _indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, interpret, blo
                   pl.BlockSpec((None, None, bp), lambda b_, s_, p_: (b_, s_, p_))] + key_specs,
         out_specs=pl.BlockSpec((None, None, bp), lambda b_, s_, p_: (b_, s_, p_)),
         out_shape=jax.ShapeDtypeStruct((b, s, pp), jnp.float32),
-        interpret=interpret, compiler_params=_common.compiler_params(interpret, num_warps),
+        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 3),
         name="csa2_indexer_scores_gathered",
     )(q, w, visible.astype(jnp.int32)[..., None], ids, *keys)
     return out[:, :, :p]
@@ -142,7 +146,8 @@ def indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, interpret: bool
     """Pallas version of `reference.indexer_scores_gathered`: [B, S, P] float32, −inf where id < 0 or id ≥ visible."""
     _common.check_indexer(q, w, ikey, visible, ids)
     _check_pow2(block_p=block_p)
-    return _indexer_scores_gathered(q, w, ikey, ids, visible, interpret=_common.resolve_interpret(interpret),
+    return _indexer_scores_gathered(q, w, ikey, ids, visible,
+                                    target=_common.resolve_target(interpret, "indexer_scores_gathered", False),
                                     block_p=block_p, num_warps=num_warps)
 
 
@@ -151,12 +156,14 @@ def _block_max_kernel(x_ref, o_ref, *, block: int):
     o_ref[...] = jnp.max(x.reshape(x.shape[0], -1, block), axis=2)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "interpret", "block_s", "block_b", "num_warps"))
-def _block_max(scores, *, block, interpret, block_s, block_b, num_warps):
+@functools.partial(jax.jit, static_argnames=("block", "target", "block_s", "block_b", "num_warps"))
+def _block_max(scores, *, block, target, block_s, block_b, num_warps):
     b, s, n = scores.shape
     blocks = -(-n // block)
     bs = min(block_s, _common.next_pow2(s))
+    bs = max(bs, 8) if _common.mosaic(target) else bs  # Mosaic: rows in whole sublane tiles
     bb = min(block_b, _common.next_pow2(blocks))
+    bb = bb if not _common.mosaic(target) or bb >= blocks else max(bb, 128)  # lanes: all blocks or 128s
     sp, bp = _common.round_up(s, bs), _common.round_up(blocks, bb)
     x = _common.pad_axis(_common.pad_axis(scores.astype(jnp.float32), 1, sp, -jnp.inf), 2, bp * block, -jnp.inf)
     out = pl.pallas_call(
@@ -165,7 +172,7 @@ def _block_max(scores, *, block, interpret, block_s, block_b, num_warps):
         in_specs=[pl.BlockSpec((None, bs, bb * block), lambda b_, s_, k_: (b_, s_, k_))],
         out_specs=pl.BlockSpec((None, bs, bb), lambda b_, s_, k_: (b_, s_, k_)),
         out_shape=jax.ShapeDtypeStruct((b, sp, bp), jnp.float32),
-        interpret=interpret, compiler_params=_common.compiler_params(interpret, num_warps),
+        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 3),
         name="csa2_block_max",
     )(x)
     return out[:, :s, :blocks]
@@ -176,8 +183,8 @@ def block_max(scores, block: int, *, interpret: bool | None = None, block_s: int
     """Pallas version of `reference.block_max`: scores [B, S, N] → [B, S, ceil(N / block)] (block a power of two)."""
     _common.check_block_max(scores, block)
     _check_pow2(block=block, block_s=block_s, block_b=block_b)
-    return _block_max(scores, block=block, interpret=_common.resolve_interpret(interpret), block_s=block_s,
-                      block_b=block_b, num_warps=num_warps)
+    return _block_max(scores, block=block, target=_common.resolve_target(interpret, "block_max", True),
+                      block_s=block_s, block_b=block_b, num_warps=num_warps)
 
 
 def _check_pow2(**sizes: int) -> None:

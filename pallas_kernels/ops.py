@@ -2,8 +2,11 @@
 
 - `"xla"`: `reference.py`, the only XLA implementation of each op (and the oracle of every test).
 - `"pallas"`: the kernels. They run in the Pallas interpreter on CPU and compile through Triton on
-  GPU (DESIGN §4). They have no backward pass of their own yet: their gradient is the reference's,
-  recomputed from the same inputs (`_reference_gradient`), so a model running the kernels trains.
+  GPU (DESIGN §4) and, for the full-scan indexer scores and block max, through Mosaic on TPU; the
+  gathering kernels (sparse attention, gathered scores) refuse TPU with a clear error until their
+  scalar-prefetch + DMA forms exist. They have no backward pass of their own yet: their gradient is the
+  reference's, recomputed from the same inputs (`_reference_gradient`), so a model running the kernels trains.
+- `"auto"`: the reference on CPU (the interpreter is for tests, not speed), the kernels elsewhere.
 
 Every op takes plain arrays and `Stored` buffers and returns float32.
 """
@@ -21,7 +24,17 @@ from pallas_kernels.stored import Stored
 
 Array = jax.Array
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas")  # the backends of the table
+CHOICES = (*IMPLS, "auto")
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+    """The table backend of `impl` on `backend` (default: JAX's): "auto" is "xla" on CPU, "pallas" elsewhere."""
+    if impl not in CHOICES:
+        raise ValueError(f"impl={impl!r}: expected one of {CHOICES}")
+    if impl != "auto":
+        return impl
+    return "xla" if (backend or jax.default_backend()) == "cpu" else "pallas"
 
 
 def _reference_gradient(kernel: Callable, ref: Callable) -> Callable:
@@ -44,9 +57,7 @@ BACKENDS: dict[str, dict[str, Callable]] = {
 
 
 def _backend(op: str, impl: str) -> Callable:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-    return BACKENDS[op][impl]
+    return BACKENDS[op][resolve_impl(impl)]
 
 
 def sparse_attention(q: Array, sink: Array, main: Stored, main_idx: Array, window: Stored, window_idx: Array, *,

@@ -14,7 +14,7 @@ partials (acc, max, sum), merged with the sink in XLA.
 Backend notes: every in-kernel array has power-of-two dims when D, block_h, block_k, block_w are
 powers of two (Triton), and dots are 2-D with M = block_h ≥ 16 on GPU. The gather is a pointer
 gather in Triton (as in jax's GPU paged attention); Mosaic (TPU) cannot lower it — a TPU port
-needs scalar-prefetched ids and per-row DMAs (see `_common.resolve_interpret`).
+needs scalar-prefetched ids and per-row DMAs (see `_common.resolve_target`).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def _nonempty(data, scale, idx):
     return data, scale, jnp.full((b, s, 1), -1, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_h", "block_k", "block_w", "num_splits", "num_warps"))
-def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx, *, interpret: bool,
+@functools.partial(jax.jit, static_argnames=("target", "block_h", "block_k", "block_w", "num_splits", "num_warps"))
+def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx, *, target: str,
                       block_h: int | None, block_k: int, block_w: int, num_splits: int | None, num_warps: int):
     b, s, h, d = q.shape
     main, main_scale, main_idx = _nonempty(*main.bits(), main_idx.astype(jnp.int32))
@@ -109,12 +109,13 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
     k, w = main_idx.shape[-1], window_idx.shape[-1]
 
     # Head block: all heads in the interpreter; on GPU a power of two ≥ 16 (Triton dot M ≥ 16).
+    interpret = target == "interpret"
     bh = h if block_h is None and interpret else (block_h or 16)
     if not interpret:
         bh = max(16, _common.next_pow2(bh))
     hp = _common.round_up(h, bh)
     n_hb = hp // bh
-    least = _common.min_block(interpret)
+    least = _common.min_block(target)
     if num_splits is None:  # decode: split the entries so ~128 programs run at once (GPU only)
         num_splits = 1 if interpret else max(1, min(-(-k // min(block_k, _common.next_pow2(k))),
                                                   128 // (b * s * n_hb)))
@@ -155,7 +156,7 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
                                block_k=kb, block_w=wb, normalize=normalize)
     out = pl.pallas_call(
         kernel, grid=(b, s, n_hb, num_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=interpret, compiler_params=_common.compiler_params(interpret, num_warps),
+        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 4),
         name="csa2_sparse_attention",
     )(*operands)
     if not normalize:  # merge the splits' partials, then the sink (denominator only)
@@ -181,5 +182,5 @@ def sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name}={v}: must be a power of two (Triton block shapes)")
     return _sparse_attention(q, sink, main, main_idx, window, window_idx,
-                             interpret=_common.resolve_interpret(interpret), block_h=block_h, block_k=block_k,
-                             block_w=block_w, num_splits=num_splits, num_warps=num_warps)
+                             target=_common.resolve_target(interpret, "sparse_attention", False), block_h=block_h,
+                             block_k=block_k, block_w=block_w, num_splits=num_splits, num_warps=num_warps)

@@ -15,6 +15,7 @@ import pytest
 import csa2.config
 from csa2.config import (PRESETS, RELEASED, RUNTIME, VARIANT, ModelConfig, fields_of, from_hf_config, to_hf_config,
                          model_differences, preset, validate)
+from pallas_kernels import ops
 
 V41_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
 YARN = dict(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0)
@@ -690,3 +691,9 @@ def test_config_imports_nothing_from_csa2():
     assert imported, "the walk sees the module's imports"
     offending = [m for m in imported if m.startswith(".") or m == "csa2" or m.startswith("csa2.")]
     assert offending == [], offending
+
+
+def test_kernel_impl_takes_the_choices_of_the_ops_table():
+    """config imports nothing from the kernels, so its copy of the choices is held to theirs here."""
+    assert csa2.config._KERNEL_IMPLS == ops.CHOICES
+    assert preset("mini").replace(kernel_impl="auto").kernel_impl == "auto"

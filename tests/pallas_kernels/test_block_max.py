@@ -80,6 +80,26 @@ def test_bad_arguments_raise():
 def test_kernel_lowers_through_triton():
     """Pallas → Triton IR at real V4.1 dims, lowered for CUDA on this CPU host (no PTX compile)."""
     sd = jax.ShapeDtypeStruct
-    t = pk_indexer._block_max.trace(sd((1, 1, 1024), jnp.float32), block=8, interpret=False, block_s=8, block_b=128,
+    t = pk_indexer._block_max.trace(sd((1, 1, 1024), jnp.float32), block=8, target="triton", block_s=8, block_b=128,
                                     num_warps=4)
     assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
+
+
+# --- TPU (Mosaic) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,block,block_s,block_b", [((2, 5, 77), 4, 2, 2), ((1, 9, 2000), 8, 8, 128),
+                                                          ((1, 1, 3), 8, 8, 128)])
+def test_tpu_interpreter_matches_oracle(shape, block, block_s, block_b):
+    """Under TPU semantics on CPU (`pltpu.InterpretParams`): odd sizes, more blocks than one program's 128."""
+    scores = _scores(19, shape)
+    got = pk_indexer._block_max(scores, block=block, target="tpu_interpret", block_s=block_s, block_b=block_b,
+                                num_warps=4)
+    np.testing.assert_array_equal(got, _oracle(scores, block))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1024), (2, 3, 37), (1, 8, 65536)])
+def test_kernel_lowers_through_mosaic(shape):
+    """Pallas → Mosaic, lowered for TPU on this CPU host (no TPU compile)."""
+    t = pk_indexer._block_max.trace(jax.ShapeDtypeStruct(shape, jnp.float32), block=8, target="mosaic", block_s=8,
+                                    block_b=128, num_warps=4)
+    assert "tpu_custom_call" in t.lower(lowering_platforms=("tpu",)).as_text()

@@ -104,5 +104,5 @@ def test_kernel_lowers_through_triton():
     ikey = Stored(sd((b, n, 64), jnp.uint8), sd((b, n, 4), jnp.float8_e8m0fnu), INDEX)
     t = pk_indexer._indexer_scores_gathered.trace(sd((b, s, 32, 128), jnp.float32), sd((b, s, 32), jnp.float32),
                                                   ikey, sd((b, s, 2048), jnp.int32), sd((b, s), jnp.int32),
-                                                  interpret=False, block_p=128, num_warps=4)
+                                                  target="triton", block_p=128, num_warps=4)
     assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()

@@ -189,6 +189,6 @@ def test_kernel_lowers_through_triton():
     window = Stored(sd((b, m, d), jnp.float8_e4m3fn), sd((b, m, d // 32), jnp.float8_e8m0fnu), WINDOW)
     t = pk_sparse._sparse_attention.trace(sd((b, s, h, d), jnp.float32), sd((h,), jnp.float32), main,
                                           sd((b, s, k), jnp.int32), window, sd((b, s, win), jnp.int32),
-                                          interpret=False, block_h=16, block_k=64, block_w=32, num_splits=4,
+                                          target="triton", block_h=16, block_k=64, block_w=32, num_splits=4,
                                           num_warps=4)
     assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
