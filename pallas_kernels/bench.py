@@ -1,6 +1,6 @@
 """Decode-step benchmark of one attention group: sparse CSA2 vs dense shared-KV attention.
 
-    python -m pallas_kernels.bench [--contexts 4096,8192,...] [--reps 3]
+    python -m pallas_kernels.bench [--contexts 4096,8192,...] [--reps 3] [--kernels]
 
 One JSON line per measurement (DESIGN §8), ratios measured side by side in the same run, at the
 real V4.1 attention dims: latent 512, 64 heads, indexer 32 × 128, top-k 512, window 128, batch 1.
@@ -10,8 +10,9 @@ with its own query and FP8 window. The dense baseline attends all N entries of t
 Main KV (dequantized once per step, shared by the 4 layers) plus each layer's window.
 
 - every backend: `decode_group` (sparse XLA vs dense XLA) and `topk` (lax.top_k vs approx_max_k).
-- GPU only (branch on jax.default_backend()): `decode_group_pallas` (Pallas vs XLA step) and
-  `kernel` lines with achieved bytes/s against the HBM roofline for the bytes each kernel must read.
+- on GPU, or anywhere with `--kernels`: `decode_group_pallas` (Pallas vs XLA step) and `kernel` lines
+  with achieved bytes/s against the HBM roofline for the bytes each kernel must read. On CPU the kernels
+  run in the Pallas interpreter, so those lines are a sanity check that the path runs, not a speed.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import ops, reference
-from pallas_kernels._formats import dequant_main, dequant_window, stored
+from pallas_kernels import formats, ops, reference
+from pallas_kernels.stored import Stored
 
 HEADS, LATENT, INDEX_HEADS, INDEX_DIM, TOPK, WINDOW, LAYERS = 64, 512, 32, 128, 512, 128, 4
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -36,31 +37,33 @@ HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12, "H800": 3.35e12, "A100": 2.0e12, "L
 RECALL_TARGET = 0.95
 
 
-def _bytes(key, shape, lo, hi, dtype=None):
-    """Random bytes in [lo, hi) viewed as `dtype` (uint8 when None)."""
-    x = jax.random.randint(key, shape, lo, hi, jnp.int32).astype(jnp.uint8)
-    return x if dtype is None else lax.bitcast_convert_type(x, dtype)
+def _bytes(key, shape, lo, hi):
+    """Random bytes in [lo, hi)."""
+    return jax.random.randint(key, shape, lo, hi, jnp.int32).astype(jnp.uint8)
 
 
 def make_group(context: int, seed: int = 0) -> dict:
-    """Random but well-formed packed caches and queries of one decode step at `context` entries."""
+    """Random but well-formed packed caches (SPEC §8 bits, `Stored`) and queries of one decode step at
+    `context` entries; `window` holds the 4 layers' windows on a leading axis."""
     k = jax.random.split(jax.random.key(seed), 10)
     n, d, di = context, LATENT, INDEX_DIM
-    window = _bytes(k[0], (LAYERS, 1, WINDOW, d), 0, 256)
     return dict(
         q=jax.random.normal(k[1], (LAYERS, 1, 1, HEADS, d), jnp.float32),
         sink=jax.random.normal(k[2], (HEADS,), jnp.float32),
-        main=_bytes(k[3], (1, n, d // 2), 0, 256),
-        main_scale=_bytes(k[4], (1, n, d // 16), 0x28, 0x38, jnp.float8_e4m3fn),  # e4m3 in [2^-2, 2^0)
-        window=lax.bitcast_convert_type(window & 0xBF, jnp.float8_e4m3fn),  # |x| < 2, never NaN
-        window_scale=_bytes(k[5], (LAYERS, 1, WINDOW, d // 32), 120, 128, jnp.float8_e8m0fnu),
+        main=Stored(_bytes(k[3], (1, n, d // 2), 0, 256),
+                    _bytes(k[4], (1, n, d // 16), 0x28, 0x38), formats.MAIN),  # e4m3 scales in [2^-2, 2^0)
+        window=Stored(_bytes(k[0], (LAYERS, 1, WINDOW, d), 0, 256) & 0xBF,  # e4m3 |x| < 2, never NaN
+                      _bytes(k[5], (LAYERS, 1, WINDOW, d // 32), 120, 128), formats.WINDOW),
         window_idx=jnp.broadcast_to(jnp.arange(WINDOW, dtype=jnp.int32), (1, 1, WINDOW)),
         qi=jax.random.normal(k[6], (1, 1, INDEX_HEADS, di), jnp.float32),
         w=jax.random.normal(k[7], (1, 1, INDEX_HEADS), jnp.float32) * (di * INDEX_HEADS) ** -0.5,
-        ikey=_bytes(k[8], (1, n, di // 2), 0, 256),
-        ikey_scale=_bytes(k[9], (1, n, di // 32), 120, 128, jnp.float8_e8m0fnu),
+        ikey=Stored(_bytes(k[8], (1, n, di // 2), 0, 256), _bytes(k[9], (1, n, di // 32), 120, 128), formats.INDEX),
         visible=jnp.full((1, 1), n, jnp.int32),
     )
+
+
+def _layer_window(g: dict, i: int) -> Stored:
+    return jax.tree.map(lambda a: a[i], g["window"])
 
 
 def select(scores):
@@ -71,20 +74,20 @@ def select(scores):
 
 def sparse_step(g: dict, impl: str):
     """Full (indexer + top-k + attention) and 3 Reuse layers (attention with the same top-k)."""
-    top = select(ops.indexer_scores(g["qi"], g["w"], g["ikey"], g["ikey_scale"], g["visible"], impl=impl))
-    return jnp.stack([ops.sparse_attention(g["q"][i], g["sink"], g["main"], g["main_scale"], top, g["window"][i],
-                                           g["window_scale"][i], g["window_idx"], impl=impl) for i in range(LAYERS)])
+    top = select(ops.indexer_scores(g["qi"], g["w"], g["ikey"], g["visible"], impl=impl))
+    return jnp.stack([ops.sparse_attention(g["q"][i], g["sink"], g["main"], top, _layer_window(g, i), g["window_idx"],
+                                           impl=impl) for i in range(LAYERS)])
 
 
 def dense_step(g: dict):
     """The 4 layers attend every entry of the shared Main KV (dequantized once) plus their window."""
-    kv = dequant_main(*stored(g["main"], g["main_scale"]))[0]  # [N, D]
+    kv = g["main"].decode()[0]  # [N, D]
     scale = LATENT**-0.5
     sink = g["sink"]
     outs = []
     for i in range(LAYERS):
         q = g["q"][i][0, 0]  # [H, D]
-        win = dequant_window(*stored(g["window"][i], g["window_scale"][i]))[0]  # [W, D]
+        win = _layer_window(g, i).decode()[0]  # [W, D]
         lm = jnp.einsum("hd,nd->hn", q, kv, precision=lax.Precision.HIGHEST) * scale
         lw = jnp.einsum("hd,wd->hw", q, win, precision=lax.Precision.HIGHEST) * scale
         m = jnp.maximum(jnp.maximum(lm.max(-1), lw.max(-1)), sink)
@@ -127,7 +130,7 @@ def group_line(context: int, g: dict, reps: int) -> dict:
 
 def topk_line(context: int, g: dict, reps: int) -> dict:
     """Exact lax.top_k vs lax.approx_max_k on the Full layer's scores; recall of the approximate set."""
-    scores = jax.jit(reference.indexer_scores)(g["qi"], g["w"], g["ikey"], g["ikey_scale"], g["visible"])
+    scores = reference.indexer_scores(g["qi"], g["w"], g["ikey"], g["visible"])
     _, exact_ms = timed(lambda s: lax.top_k(s, TOPK)[1], scores, reps=reps)
     _, approx_ms = timed(lambda s: lax.approx_max_k(s, TOPK, recall_target=RECALL_TARGET)[1], scores, reps=reps)
     exact = set(jax.device_get(lax.top_k(scores, TOPK)[1]).ravel().tolist())
@@ -137,8 +140,9 @@ def topk_line(context: int, g: dict, reps: int) -> dict:
             "recall_target": RECALL_TARGET, "recall": len(exact & approx) / TOPK}
 
 
-def gpu_lines(context: int, g: dict, reps: int) -> list[dict]:
-    """GPU only: Pallas vs XLA for the group step and per kernel, with bytes/s vs the HBM roofline."""
+def kernel_lines(context: int, g: dict, reps: int) -> list[dict]:
+    """Pallas vs XLA for the group step and per kernel, with bytes/s vs the HBM roofline (GPU; on CPU the
+    interpreter, a sanity line)."""
     kind = jax.devices()[0].device_kind
     peak = next((v for key, v in HBM_PEAK.items() if key in kind), None)
     _, xla_ms = timed(lambda g: sparse_step(g, "xla"), g, reps=reps)
@@ -146,10 +150,9 @@ def gpu_lines(context: int, g: dict, reps: int) -> list[dict]:
     lines = [{"bench": "decode_group_pallas", **machine(), "context": context, "sparse_xla_ms": round(xla_ms, 3),
               "sparse_pallas_ms": round(pallas_ms, 3), "pallas_over_xla": round(pallas_ms / xla_ms, 4),
               "compile_s": round(pc, 2)}]
-    top = jax.jit(select)(jax.jit(reference.indexer_scores)(g["qi"], g["w"], g["ikey"], g["ikey_scale"], g["visible"]))
-    attn_args = (g["q"][0], g["sink"], g["main"], g["main_scale"], top, g["window"][0], g["window_scale"][0],
-                 g["window_idx"])
-    idx_args = (g["qi"], g["w"], g["ikey"], g["ikey_scale"], g["visible"])
+    top = jax.jit(select)(reference.indexer_scores(g["qi"], g["w"], g["ikey"], g["visible"]))
+    attn_args = (g["q"][0], g["sink"], g["main"], top, _layer_window(g, 0), g["window_idx"])
+    idx_args = (g["qi"], g["w"], g["ikey"], g["visible"])
     # Bytes each kernel must move: gathered/streamed payload + scales, ids, queries, output.
     attn_bytes = (TOPK * (LATENT // 2 + LATENT // 16 + 4) + WINDOW * (LATENT + LATENT // 32 + 4)
                   + 2 * HEADS * LATENT * 4 + HEADS * 4)
@@ -172,6 +175,8 @@ def main(argv=None) -> None:
     parser.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
                         help="comma-separated context lengths (Global entries of the decoder group)")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per measurement (median reported)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also time the Pallas kernels off GPU (on CPU: the interpreter, a sanity line)")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c]
     if any(c < TOPK for c in contexts):
@@ -180,8 +185,8 @@ def main(argv=None) -> None:
         g = make_group(context)
         print(json.dumps(group_line(context, g, args.reps)), flush=True)
         print(json.dumps(topk_line(context, g, args.reps)), flush=True)
-        if jax.default_backend() == "gpu":
-            for line in gpu_lines(context, g, args.reps):
+        if args.kernels or jax.default_backend() == "gpu":
+            for line in kernel_lines(context, g, args.reps):
                 print(json.dumps(line), flush=True)
 
 
