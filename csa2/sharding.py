@@ -213,7 +213,7 @@ class Sharded:
         check_batch(tokens.shape[0], self.mesh, "tokens")
         cfg, row, rep = self.cfg, rows(self.mesh), replicated(self.mesh)
         jitted = self._jit(("forward", qat, replay),
-                           lambda params, tokens: model.forward.__wrapped__(cfg, params, tokens, qat=qat, replay=replay),
+                           lambda p, t: model.forward.__wrapped__(cfg, p, t, qat=qat, replay=replay),
                            (self.params, row), (row, {"load": rep, "index_kl": rep, "rows": row}))
         return self._call(jitted, (params, tokens), lower)
 

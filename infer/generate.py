@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import model
+from csa2 import model, sharding
 from csa2.config import EOS_ID, PAD_ID, ModelConfig
 from csa2.replay import ReplayPolicy
 from csa2.sampling import sample
@@ -220,6 +220,31 @@ def run(cfg: ModelConfig, params: dict, p: Plan, compiled=None) -> GenerateResul
 def lower(cfg: ModelConfig, params: dict, p: Plan):
     """`generate_loop` lowered for this plan: `.compile()` it to time compilation apart from the run."""
     return generate_loop.lower(cfg, params, *p.traced(), **p.static())
+
+
+class Sharded:
+    """`generate_loop` compiled for a device mesh (`csa2.sharding`): parameters in the rules' shardings, the
+    prompts, their counts, the new tokens and the returned state split over `data`, the rest replicated; traced
+    under the mesh, so the MoE runs expert-parallel. `run(params, plan)` is `run` for placed parameters
+    (`sharding.shard_params`); one program per plan's static arguments, as `generate_loop`."""
+
+    def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules):
+        self.cfg, self.mesh = cfg, mesh
+        self.params = sharding.param_state_shardings(cfg, mesh, rules)
+        self._jitted: dict[tuple, object] = {}
+
+    def run(self, params, p: Plan) -> GenerateResult:
+        sharding.check_batch(p.tokens.shape[0], self.mesh, "prompts")
+        static = p.static()
+        key = tuple(static.items())
+        if key not in self._jitted:
+            cfg, row, rep = self.cfg, sharding.rows(self.mesh), sharding.replicated(self.mesh)
+            self._jitted[key] = jax.jit(functools.partial(generate_loop.__wrapped__, cfg, **static),
+                                        in_shardings=(self.params, row, row, rep, rep, rep, rep),
+                                        out_shardings=(row, row, row))
+        with jax.set_mesh(self.mesh):
+            out, lengths, state = self._jitted[key](params, *p.traced())
+        return GenerateResult(tokens=np.asarray(out), lengths=np.asarray(lengths), state=state)
 
 
 def generate(cfg: ModelConfig, params: dict, prompts: Sequence | np.ndarray, lengths=None, *, max_new_tokens: int,

@@ -78,7 +78,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def held_bytes(tree) -> int:
     """Bytes one device holds of `tree`'s arrays (`ShapeDtypeStruct`s or arrays with a `NamedSharding`)."""
-    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(tree))
 
 
 def _program(compiled: jax.stages.Compiled) -> Program:

@@ -175,8 +175,8 @@ class Sharded:
             return next((by_path[path[i:]] for i in range(len(path)) if path[i:] in by_path), rep)
 
         moments = jax.eval_shape(optimizer(tc).init, model.abstract_params(cfg))
-        self.shardings = TrainState(params=params, opt_state=jax.tree_util.tree_map_with_path(like_its_parameter, moments),
-                                    step=rep, rng=rep)
+        opt_state = jax.tree_util.tree_map_with_path(like_its_parameter, moments)
+        self.shardings = TrainState(params=params, opt_state=opt_state, step=rep, rng=rep)
         self._jitted: dict[tuple, object] = {}
 
     def place(self, state: TrainState) -> TrainState:

@@ -8,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
@@ -211,7 +210,8 @@ ENTRY_POINTS = textwrap.dedent("""
         state = sharding.init_state(cfg, 8, 64, mesh, "float")
         lowered = api.decode_step(sharded, state, put(steps[:, 0]), lower=True).as_text()
         print("expert-parallel", name, "sdy.manual_computation" in lowered)
-        got, train, state = run(api, trainer.step, sharded, state, trainer.place(train_lib.init_train_state(cfg, tc)), put)
+        train = trainer.place(train_lib.init_train_state(cfg, tc))
+        got, train, state = run(api, trainer.step, sharded, state, train, put)
         for a, s in zip(jax.tree.leaves(train), jax.tree.leaves(trainer.shardings)):
             assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)
         shardings = sharding.param_shardings(cfg, mesh, rules)
