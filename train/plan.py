@@ -1,4 +1,4 @@
-"""`python -m train.plan --preset v41_flash --mesh data=8,tensor=8,expert=8 --context 1048576 --batch 8`: the
+"""`python -m train.plan --preset v41_flash --mesh tensor=8,expert=32 --context 1048576 --batch 1`: the
 per-device memory of the decode step and the train step on a device mesh, ahead of time.
 
 Nothing is materialized: parameters, optimizer state, request state and tokens are `jax.ShapeDtypeStruct`s
@@ -156,9 +156,9 @@ def rerun_with_devices(module: str, argv: list[str] | None, devices: int) -> int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="v41_flash", choices=PRESETS)
-    parser.add_argument("--mesh", default="data=8,tensor=8,expert=8", help="axis=size,… over data, tensor, expert")
+    parser.add_argument("--mesh", default="tensor=8,expert=32", help="axis=size,… over data, tensor, expert")
     parser.add_argument("--context", type=int, default=1 << 20, help="tokens per row of the decode state")
-    parser.add_argument("--batch", type=int, default=8, help="rows of the decode state and of the train batch")
+    parser.add_argument("--batch", type=int, default=1, help="rows of the decode state and of the train batch")
     parser.add_argument("--seq-len", type=int, default=4096, help="train sequence length")
     parser.add_argument("--format", default="fp4", choices=CACHE_FORMATS, dest="cache_format")
     parser.add_argument("--engram-table", default=None, choices=ENGRAM_TABLE_FORMATS,
