@@ -38,6 +38,7 @@ expert-parallel. `train.step.Sharded` does the same for the train step.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -164,7 +165,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def state_shardings(state, mesh: Mesh):
     """Every leaf of a request `State` (all lead with the batch) split over `data` along its rows."""
     check_batch(jax.tree.leaves(state)[0].shape[0], mesh, "state")
-    return jax.tree.map(lambda a: NamedSharding(mesh, PartitionSpec("data", *[None] * (a.ndim - 1))), state)
+    return jax.tree.map(lambda _: rows(mesh), state)
 
 
 def check_batch(batch: int, mesh: Mesh, what: str) -> None:
@@ -230,23 +231,22 @@ class Sharded:
                            (self.params, row, row, row, row), (row, row, replicated(self.mesh)), donate=(1,))
         return self._call(jitted, (params, state, tokens, n_valid, extend), lower)
 
-    def decode_step(self, params: nnx.State, state: state_lib.State, tokens, lower: bool = False):
-        """`csa2.model.decode_step` (logits and the new state)."""
-        model.decode_step.check(self.cfg, params, state, tokens)
+    def _state_step(self, entry, params: nnx.State, state: state_lib.State, tokens, lower: bool):
+        """An entry point `(cfg, params, state, tokens) → (logits, state)`, the state donated."""
+        entry.check(self.cfg, params, state, tokens)
         check_batch(tokens.shape[0], self.mesh, "tokens")
-        cfg, row = self.cfg, rows(self.mesh)
-        jitted = self._jit(("decode_step",), lambda p, s, t: model.decode_step.__wrapped__(cfg, p, s, t),
+        row = rows(self.mesh)
+        jitted = self._jit((entry.__name__,), functools.partial(entry.__wrapped__, self.cfg),
                            (self.params, row, row), (row, row), donate=(1,))
         return self._call(jitted, (params, state, tokens), lower)
 
+    def decode_step(self, params: nnx.State, state: state_lib.State, tokens, lower: bool = False):
+        """`csa2.model.decode_step` (logits and the new state)."""
+        return self._state_step(model.decode_step, params, state, tokens, lower)
+
     def verify(self, params: nnx.State, state: state_lib.State, tokens, lower: bool = False):
         """`csa2.model.verify` (all logits and the speculative state; `csa2.model.commit` follows)."""
-        model.verify.check(self.cfg, params, state, tokens)
-        check_batch(tokens.shape[0], self.mesh, "tokens")
-        cfg, row = self.cfg, rows(self.mesh)
-        jitted = self._jit(("verify",), lambda p, s, t: model.verify.__wrapped__(cfg, p, s, t),
-                           (self.params, row, row), (row, row), donate=(1,))
-        return self._call(jitted, (params, state, tokens), lower)
+        return self._state_step(model.verify, params, state, tokens, lower)
 
 
 class HostShards:
