@@ -23,21 +23,19 @@ Array = jax.Array
 TARGETS = ("interpret", "tpu_interpret", "triton", "mosaic")
 
 
-def resolve_target(interpret: bool | None, kernel: str, mosaic: bool) -> str:
+def resolve_target(interpret: bool | None, kernel: str) -> str:
     """`interpret=True` → "interpret"; None → from the backend: the interpreter on CPU, Triton on GPU, Mosaic on
-    TPU where `kernel` has a Mosaic form (`mosaic`). The gathering kernels load rows with vector-indexed refs,
-    which Triton lowers and Mosaic does not (TPU needs scalar-prefetched ids and per-row DMAs), so a TPU run
-    of one of them is refused with a clear message instead of an obscure Mosaic error."""
+    TPU. Any other platform (or CPU with `interpret=False`) is refused by name: `impl="xla"` runs everywhere."""
     backend = jax.default_backend()
     if interpret or (interpret is None and backend == "cpu"):
         return "interpret"
     if backend in ("gpu", "cuda", "rocm"):
         return "triton"
-    if backend == "tpu" and mosaic:
+    if backend == "tpu":
         return "mosaic"
     raise NotImplementedError(
-        f"pallas_kernels.{kernel} compiles for GPU (Triton){' and TPU (Mosaic)' if mosaic else ''} only; "
-        f"backend={backend!r}. Use impl='xla' here, or interpret=True to run it in the Pallas interpreter.")
+        f"pallas_kernels.{kernel} compiles for GPU (Triton) and TPU (Mosaic) only; backend={backend!r}. "
+        f"Use impl='xla' here, or interpret=True to run it in the Pallas interpreter.")
 
 
 def mosaic(target: str) -> bool:

@@ -6,7 +6,9 @@
   one 2-D dot, and writes −inf where n ≥ visible[b, s].
 - `indexer_scores_gathered` (Reindex): per query row, gather the candidate ids' key rows first
   (vector-indexed ref load, −1 / out-of-range ids read row 0 and are masked), then score only
-  them — work bounded by the pool size P, not by N. Grid `(B, S, P / block_p)`.
+  them — work bounded by the pool size P, not by N. Grid `(B, S, P / block_p)`. On TPU (Mosaic has no
+  vector gather) grid `(B, S)`: the ids sit in SMEM and drive one DMA per key row from HBM into
+  double-buffered VMEM slots, `block_p` rows at a time (`row_dma`).
 - `block_max`: max over runs of `block` scores, for the candidate source's block scores.
 
 Top-k selection stays in XLA (`lax.top_k`). Measured (`bench.py`, `topk` lines, CPU, k = 512,
@@ -26,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common
+from pallas_kernels import _common, row_dma
 from pallas_kernels.formats import INDEX, decode_entries
 from pallas_kernels.stored import Stored
 
@@ -100,7 +103,7 @@ def indexer_scores(q, w, ikey: Stored, visible, *, interpret: bool | None = None
     """
     _common.check_indexer(q, w, ikey, visible)
     _check_pow2(block_s=block_s, block_n=block_n)
-    return _indexer_scores(q, w, ikey, visible, target=_common.resolve_target(interpret, "indexer_scores", True),
+    return _indexer_scores(q, w, ikey, visible, target=_common.resolve_target(interpret, "indexer_scores"),
                            block_s=block_s, block_n=block_n, num_warps=num_warps)
 
 
@@ -121,10 +124,13 @@ def _indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, target, block_
     b, s, hi, di = q.shape
     p = ids.shape[-1]
     ikey, ikey_scale = ikey.bits()
-    bp = max(_common.min_block(target), min(block_p, _common.next_pow2(max(p, 1))))
+    least = 8 if _common.mosaic(target) else _common.min_block(target)
+    bp = max(least, min(block_p, _common.next_pow2(max(p, 1))))
     pp = _common.round_up(max(p, 1), bp)
     ids = _common.pad_axis(ids.astype(jnp.int32), 2, pp, -1)
     keys = [x for x in (ikey, ikey_scale) if x is not None]
+    if _common.mosaic(target):
+        return _gathered_tpu_call(q, w, keys, ids, visible, target=target, bp=bp)[:, :, :p]
     key_specs = [pl.BlockSpec((None, *x.shape[1:]), lambda b_, s_, p_: (b_, 0, 0)) for x in keys]
     out = pl.pallas_call(
         functools.partial(_gathered_kernel, packed=ikey_scale is not None),
@@ -141,13 +147,61 @@ def _indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, target, block_
     return out[:, :, :p]
 
 
+def _gathered_tpu_kernel(ids_ref, ids_v_ref, q_ref, w_ref, vis_ref, *refs, packed: bool, steps: int, block_p: int):
+    """TPU (Mosaic): the candidates' key rows arrive by DMA (`row_dma`), `block_p` at a time, double-buffered."""
+    n_src = 1 + packed
+    sources, o_ref = refs[:n_src], refs[n_src]
+    slots, sems = refs[n_src + 1:n_src + 1 + n_src], refs[n_src + 1 + n_src:]
+    q = q_ref[...].astype(jnp.float32)  # [Hi, Di]
+    w = w_ref[...].astype(jnp.float32)  # [Hi, 1]
+    visible = vis_ref[...]  # [1, 1]
+    rows = sources[0].shape[1]
+    gather = row_dma.RowGather(ids_ref, sources, slots, sems, pl.program_id(0), block_p)
+    gather.zero()
+    gather.prime(steps)
+
+    def body(j, fetched, carry):
+        ids = ids_v_ref[pl.ds(j, 1), :]  # [1, block_p]
+        keys = decode_entries(fetched[0], fetched[1] if packed else None, INDEX)  # [block_p, Di]
+        dots = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)  # [Hi, block_p]
+        scores = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0, keepdims=True)
+        o_ref[pl.ds(j, 1), :] = jnp.where((ids >= 0) & (ids < rows) & (ids < visible), scores, -jnp.inf)
+        return carry
+
+    gather.pipeline(steps, body, 0)
+
+
+def _gathered_tpu_call(q, w, keys, ids, visible, *, target, bp):
+    """Grid `(B, S)`: each program scores its row's whole pool, ids in SMEM (addresses) and VMEM (masks)."""
+    b, s, hi, di = q.shape
+    steps = ids.shape[-1] // bp
+    flat = ids.reshape(b * s, steps, bp)
+    program = lambda b_, s_: (b_ * s + s_, 0, 0)  # noqa: E731
+    out = pl.pallas_call(
+        functools.partial(_gathered_tpu_kernel, packed=len(keys) > 1, steps=steps, block_p=bp),
+        grid=(b, s),
+        in_specs=[pl.BlockSpec((None, 1, steps * bp), program, memory_space=pltpu.SMEM),
+                  pl.BlockSpec((None, steps, bp), program),
+                  pl.BlockSpec((None, None, hi, di), lambda b_, s_: (b_, s_, 0, 0)),
+                  pl.BlockSpec((None, None, hi, 1), lambda b_, s_: (b_, s_, 0, 0)),
+                  pl.BlockSpec((None, None, 1, 1), lambda b_, s_: (b_, s_, 0, 0))]
+                 + [pl.BlockSpec(memory_space=pl.ANY)] * len(keys),
+        out_specs=pl.BlockSpec((None, steps, bp), program),
+        out_shape=jax.ShapeDtypeStruct((b * s, steps, bp), jnp.float32),
+        scratch_shapes=row_dma.scratch(bp, *keys), interpret=_common.interpret_arg(target),
+        compiler_params=_common.compiler_params(target, 0, 2), name="csa2_indexer_scores_gathered_tpu",
+    )(flat.reshape(b * s, 1, -1), flat, q, w[..., None], visible.astype(jnp.int32)[..., None, None], *keys)
+    return out.reshape(b, s, -1)
+
+
 def indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, interpret: bool | None = None,
                             block_p: int = 256, num_warps: int = 4) -> Array:
     """Pallas version of `reference.indexer_scores_gathered`: [B, S, P] float32, −inf where id < 0 or id ≥ visible."""
     _common.check_indexer(q, w, ikey, visible, ids)
     _check_pow2(block_p=block_p)
     return _indexer_scores_gathered(q, w, ikey, ids, visible,
-                                    target=_common.resolve_target(interpret, "indexer_scores_gathered", False),
+                                    target=_common.resolve_target(interpret, "indexer_scores_gathered"),
                                     block_p=block_p, num_warps=num_warps)
 
 
@@ -183,7 +237,7 @@ def block_max(scores, block: int, *, interpret: bool | None = None, block_s: int
     """Pallas version of `reference.block_max`: scores [B, S, N] → [B, S, ceil(N / block)] (block a power of two)."""
     _common.check_block_max(scores, block)
     _check_pow2(block=block, block_s=block_s, block_b=block_b)
-    return _block_max(scores, block=block, target=_common.resolve_target(interpret, "block_max", True),
+    return _block_max(scores, block=block, target=_common.resolve_target(interpret, "block_max"),
                       block_s=block_s, block_b=block_b, num_warps=num_warps)
 
 

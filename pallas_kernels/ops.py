@@ -2,9 +2,8 @@
 
 - `"xla"`: `reference.py`, the only XLA implementation of each op (and the oracle of every test).
 - `"pallas"`: the kernels. They run in the Pallas interpreter on CPU and compile through Triton on
-  GPU (DESIGN §4) and, for the full-scan indexer scores and block max, through Mosaic on TPU; the
-  gathering kernels (sparse attention, gathered scores) refuse TPU with a clear error until their
-  scalar-prefetch + DMA forms exist. They have no backward pass of their own yet: their gradient is the
+  GPU (DESIGN §4) and through Mosaic on TPU (the gathering kernels in their SMEM-ids + row-DMA form,
+  `row_dma`). They have no backward pass of their own yet: their gradient is the
   reference's, recomputed from the same inputs (`_reference_gradient`), so a model running the kernels trains.
 - `"auto"`: the reference on CPU (the interpreter is for tests, not speed), the kernels elsewhere.
 

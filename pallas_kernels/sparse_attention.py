@@ -1,20 +1,23 @@
 """Pallas sparse sink attention over gathered Global entries and SWA window rows (SPEC §3).
 
-For each query row (b, s) and block of heads, the kernel walks the row's top-k Main KV ids in
-blocks of `block_k`, gathers those rows of the **packed** cache (e2m1 payload + e4m3 scales) with
-a vector-indexed ref load, dequantizes them in registers, and folds them into an online softmax;
-then does the same for the row's window ids over the layer's FP8 ring. The online max starts at
-the head's sink logit, so the sink (denominator only) is exact and a row with no valid entry
-yields 0. Nothing dequantized is ever written back to memory.
+For each query row (b, s) the kernel walks the row's top-k Main KV ids in blocks of `block_k`,
+gathers those rows of the **packed** cache (e2m1 payload + e4m3 scales), dequantizes them in
+registers, and folds them into an online softmax; then does the same for the row's window ids over
+the layer's FP8 ring. The online max starts at the head's sink logit, so the sink (denominator only)
+is exact and a row with no valid entry yields 0. Nothing dequantized is ever written back to memory.
+With `splits > 1` (decode: few rows, flash-decoding style) each split takes an equal slice of the
+main ids and of the window ids and writes unnormalized partials (acc, max, sum), merged with the
+sink in XLA.
 
-Grid `(B, S, H / block_h, splits)`. With `splits > 1` (decode: few rows, flash-decoding style)
-each split takes an equal slice of the main ids and of the window ids and writes unnormalized
-partials (acc, max, sum), merged with the sink in XLA.
-
-Backend notes: every in-kernel array has power-of-two dims when D, block_h, block_k, block_w are
-powers of two (Triton), and dots are 2-D with M = block_h ≥ 16 on GPU. The gather is a pointer
-gather in Triton (as in jax's GPU paged attention); Mosaic (TPU) cannot lower it — a TPU port
-needs scalar-prefetched ids and per-row DMAs (see `_common.resolve_target`).
+Two forms gather the rows, one per kind of hardware:
+- GPU (Triton) and the generic interpreter, grid `(B, S, H / block_h, splits)`: each program sees its
+  row's whole buffers and gathers with a vector-indexed ref load (a pointer gather in Triton, as in
+  jax's GPU paged attention). Every in-kernel array has power-of-two dims when D, block_h, block_k,
+  block_w are powers of two, and dots are 2-D with M = block_h ≥ 16.
+- TPU (Mosaic) and the TPU interpreter, grid `(B, S, splits)`, all heads per program: Mosaic has no
+  vector gather, so the ids sit in SMEM and drive one DMA per row from HBM into double-buffered VMEM
+  slots (`row_dma`), both sources' first blocks in flight before any compute. VMEM holds 2 × block
+  rows per source and one block decoded to float32 (block_k = 128 at D = 512: 256 KiB).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common
+from pallas_kernels import _common, row_dma
 from pallas_kernels.formats import MAIN, WINDOW, decode_entries
 from pallas_kernels.stored import Stored
 
@@ -34,21 +38,33 @@ Array = jax.Array
 
 
 def _attend(q, kv, valid, carry, scale):
-    """One online-softmax step: q [BH, D], kv [E, D] (K = V), valid [E]."""
+    """One online-softmax step: q [BH, D], kv [E, D] (K = V), valid [1, E]; carry m, l [BH, 1], acc [BH, D]."""
     m, l, acc = carry
     s = lax.dot_general(q, kv, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32) * scale  # [BH, E]
-    s = jnp.where(valid[None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # m starts at the sink: always finite
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))  # m starts at the sink: always finite
     alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + lax.dot_general(p, kv, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                                 preferred_element_type=jnp.float32)
+    p = jnp.exp(s - m_new)
+    l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+    acc = acc * alpha + lax.dot_general(p, kv, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                        preferred_element_type=jnp.float32)
     return m_new, l, acc
 
 
-def _kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: int, normalize: bool):
+def _finish(carry, sink, out_refs) -> None:
+    """Write the normalized output (sink in the denominator only), or the split's partials (acc, m, l)."""
+    m, l, acc = carry
+    if len(out_refs) == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = acc / (l + jnp.exp(sink - m))
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: int):
+    """GPU (Triton) and the generic interpreter: vector-indexed loads gather the rows."""
     it = iter(refs)
     q_ref, sink_ref = next(it), next(it)
     main_ref = next(it)
@@ -61,7 +77,7 @@ def _kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: i
 
     q = q_ref[...].astype(jnp.float32)  # [BH, D]
     scale = q.shape[-1] ** -0.5
-    sink = sink_ref[...].astype(jnp.float32)  # [BH]
+    sink = sink_ref[...]  # [BH, 1]
 
     def source(data_ref, scale_ref, idx_ref, block, fmt):
         rows = data_ref.shape[0]
@@ -71,7 +87,7 @@ def _kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: i
             valid = (idx >= 0) & (idx < rows)
             row = jnp.where(valid, idx, 0)  # gather address: always in bounds
             kv = decode_entries(data_ref[row, :], None if scale_ref is None else scale_ref[row, :], fmt)
-            return _attend(q, kv, valid, carry, scale)
+            return _attend(q, kv, valid[None, :], carry, scale)
 
         return idx_ref.shape[0] // block, body
 
@@ -81,13 +97,43 @@ def _kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: i
             (win_ref, win_scale_ref, win_idx_ref, block_w, WINDOW)):
         steps, body = source(data_ref, scale_ref, idx_ref, block, fmt)
         carry = lax.fori_loop(0, steps, body, carry)
-    m, l, acc = carry
-    if normalize:
-        (o_ref,) = out_refs
-        o_ref[...] = acc / (l + jnp.exp(sink - m))[:, None]
-    else:
-        acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+    _finish(carry, sink, out_refs)
+
+
+def _tpu_kernel(*refs, packed_main: bool, packed_win: bool, steps_k: int, steps_w: int, block_k: int,
+                block_w: int):
+    """TPU (Mosaic): SMEM ids drive per-row DMAs from HBM into double-buffered VMEM slots (`row_dma`); the
+    same ids as a VMEM block give the validity masks."""
+    n_main, n_win = 1 + packed_main, 1 + packed_win
+    it = iter(refs)
+    main_ids, win_ids, main_ids_v, win_ids_v, q_ref, sink_ref = (next(it) for _ in range(6))
+    main_src = tuple(next(it) for _ in range(n_main))
+    win_src = tuple(next(it) for _ in range(n_win))
+    out_refs = [next(it) for _ in range(len(refs) - 6 - 3 * (n_main + n_win))]
+    main_slots, main_sems = tuple(next(it) for _ in range(n_main)), tuple(next(it) for _ in range(n_main))
+    win_slots, win_sems = tuple(next(it) for _ in range(n_win)), tuple(next(it) for _ in range(n_win))
+
+    q = q_ref[...].astype(jnp.float32)  # [Hp, D]
+    scale = q.shape[-1] ** -0.5
+    sink = sink_ref[...]  # [Hp, 1]
+    b = pl.program_id(0)
+    sources = [(row_dma.RowGather(main_ids, main_src, main_slots, main_sems, b, block_k), main_ids_v, steps_k, MAIN),
+               (row_dma.RowGather(win_ids, win_src, win_slots, win_sems, b, block_w), win_ids_v, steps_w, WINDOW)]
+    for gather, _, steps, _ in sources:  # both sources' first blocks in flight before any compute
+        gather.zero()
+        gather.prime(steps)
+
+    carry = (sink, jnp.zeros_like(sink), jnp.zeros(q.shape, jnp.float32))
+    for gather, ids_v, steps, fmt in sources:
+        rows = gather.sources[0].shape[1]
+
+        def body(j, fetched, carry, ids_v=ids_v, rows=rows, fmt=fmt):
+            idx = ids_v[pl.ds(j, 1), :]  # [1, block]
+            kv = decode_entries(fetched[0], fetched[1] if len(fetched) > 1 else None, fmt)
+            return _attend(q, kv, (idx >= 0) & (idx < rows), carry, scale)
+
+        carry = gather.pipeline(steps, body, carry)
+    _finish(carry, sink, out_refs)
 
 
 def _nonempty(data, scale, idx):
@@ -100,6 +146,78 @@ def _nonempty(data, scale, idx):
     return data, scale, jnp.full((b, s, 1), -1, jnp.int32)
 
 
+def _gpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, target, bh, kb, wb,
+              splits, num_warps):
+    """Grid `(B, S, Hp / bh, splits)`; each program holds its row's whole buffers and gathers from them."""
+    b, s, hp, d = q.shape
+
+    def whole_row(x):  # the row's whole buffer; the kernel gathers from it
+        return pl.BlockSpec((None, *x.shape[1:]), lambda b_, s_, h_, p_: (b_, 0, 0))
+
+    def ids_spec(x):
+        return pl.BlockSpec((None, None, x.shape[-1] // splits), lambda b_, s_, h_, p_: (b_, s_, p_))
+
+    packed = [x for x in (main_scale,) if x is not None], [x for x in (window_scale,) if x is not None]
+    operands = [q, sink, main, *packed[0], main_idx, window, *packed[1], window_idx]
+    in_specs = [pl.BlockSpec((None, None, bh, d), lambda b_, s_, h_, p_: (b_, s_, h_, 0)),
+                pl.BlockSpec((bh, 1), lambda b_, s_, h_, p_: (h_, 0)),
+                whole_row(main), *map(whole_row, packed[0]), ids_spec(main_idx), whole_row(window),
+                *map(whole_row, packed[1]), ids_spec(window_idx)]
+    rows = lambda b_, s_, h_, p_: (b_, s_, h_, 0)  # noqa: E731
+    parts = lambda b_, s_, h_, p_: (p_, b_, s_, h_, 0)  # noqa: E731
+    out_shape, out_specs = _outputs(b, s, hp, d, splits, bh, rows, parts)
+    kernel = functools.partial(_kernel, packed_main=main_scale is not None, packed_win=window_scale is not None,
+                               block_k=kb, block_w=wb)
+    return pl.pallas_call(
+        kernel, grid=(b, s, hp // bh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 4),
+        name="csa2_sparse_attention",
+    )(*operands)
+
+
+def _tpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, target, kb, wb, splits):
+    """Grid `(B, S, splits)`, all heads per program; buffers stay in HBM (`memory_space=ANY`) and each split's
+    ids arrive twice: in SMEM (DMA addresses) and in VMEM as `[steps, block]` (validity masks)."""
+    b, s, hp, d = q.shape
+
+    def ids(x, block):  # [B, S, splits · steps · block] → one row of ids per program
+        flat = x.reshape(b * s * splits, -1, block)
+        program = lambda b_, s_, p_: ((b_ * s + s_) * splits + p_, 0, 0)  # noqa: E731
+        return ([flat.reshape(b * s * splits, 1, -1), flat],
+                [pl.BlockSpec((None, 1, flat.shape[1] * block), program, memory_space=pltpu.SMEM),
+                 pl.BlockSpec((None, flat.shape[1], block), program)])
+
+    (main_smem, main_vmem), (main_smem_spec, main_vmem_spec) = ids(main_idx, kb)
+    (win_smem, win_vmem), (win_smem_spec, win_vmem_spec) = ids(window_idx, wb)
+    main_src = [x for x in (main, main_scale) if x is not None]
+    win_src = [x for x in (window, window_scale) if x is not None]
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    in_specs = [main_smem_spec, win_smem_spec, main_vmem_spec, win_vmem_spec,
+                pl.BlockSpec((None, None, hp, d), lambda b_, s_, p_: (b_, s_, 0, 0)),
+                pl.BlockSpec((hp, 1), lambda b_, s_, p_: (0, 0))] + [hbm] * (len(main_src) + len(win_src))
+    rows = lambda b_, s_, p_: (b_, s_, 0, 0)  # noqa: E731
+    parts = lambda b_, s_, p_: (p_, b_, s_, 0, 0)  # noqa: E731
+    out_shape, out_specs = _outputs(b, s, hp, d, splits, hp, rows, parts)
+    scratch = row_dma.scratch(kb, *main_src) + row_dma.scratch(wb, *win_src)
+    kernel = functools.partial(_tpu_kernel, packed_main=main_scale is not None, packed_win=window_scale is not None,
+                               steps_k=main_vmem.shape[1], steps_w=win_vmem.shape[1], block_k=kb, block_w=wb)
+    return pl.pallas_call(
+        kernel, grid=(b, s, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=scratch, interpret=_common.interpret_arg(target),
+        compiler_params=_common.compiler_params(target, 0, 3), name="csa2_sparse_attention_tpu",
+    )(main_smem, win_smem, main_vmem, win_vmem, q, sink, *main_src, *win_src)
+
+
+def _outputs(b, s, hp, d, splits, bh, rows, parts):
+    """(out_shape, out_specs): the normalized output `[B, S, Hp, D]` with one split, else each split's
+    partials: acc `[splits, B, S, Hp, D]`, m and l `[splits, B, S, Hp, 1]`."""
+    if splits == 1:
+        return jax.ShapeDtypeStruct((b, s, hp, d), jnp.float32), pl.BlockSpec((None, None, bh, d), rows)
+    shapes = ((splits, b, s, hp, d), (splits, b, s, hp, 1), (splits, b, s, hp, 1))
+    return (tuple(jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes),
+            tuple(pl.BlockSpec((None, None, None, bh, x[-1]), parts) for x in shapes))
+
+
 @functools.partial(jax.jit, static_argnames=("target", "block_h", "block_k", "block_w", "num_splits", "num_warps"))
 def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx, *, target: str,
                       block_h: int | None, block_k: int, block_w: int, num_splits: int | None, num_warps: int):
@@ -107,64 +225,43 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
     main, main_scale, main_idx = _nonempty(*main.bits(), main_idx.astype(jnp.int32))
     window, window_scale, window_idx = _nonempty(*window.bits(), window_idx.astype(jnp.int32))
     k, w = main_idx.shape[-1], window_idx.shape[-1]
+    tpu = _common.mosaic(target)
 
-    # Head block: all heads in the interpreter; on GPU a power of two ≥ 16 (Triton dot M ≥ 16).
-    interpret = target == "interpret"
-    bh = h if block_h is None and interpret else (block_h or 16)
-    if not interpret:
-        bh = max(16, _common.next_pow2(bh))
+    # Heads per program: all of them in the interpreters and on TPU (padded to whole sublane tiles there); on
+    # GPU `block_h`, a power of two ≥ 16 (Triton dot M ≥ 16).
+    if tpu:
+        bh = _common.round_up(h, 8)
+    elif target == "interpret":
+        bh = block_h or h
+    else:
+        bh = max(16, _common.next_pow2(block_h or 16))
     hp = _common.round_up(h, bh)
-    n_hb = hp // bh
-    least = _common.min_block(target)
-    if num_splits is None:  # decode: split the entries so ~128 programs run at once (GPU only)
-        num_splits = 1 if interpret else max(1, min(-(-k // min(block_k, _common.next_pow2(k))),
-                                                  128 // (b * s * n_hb)))
+    if num_splits is None:  # decode: split the entries so the cores have programs to share
+        if tpu:  # two TensorCores (megacore) share the parallel grid axes: a lone row splits in two
+            num_splits = 2 if b * s == 1 and k > block_k else 1
+        elif target == "triton":  # ~128 programs at once
+            num_splits = max(1, min(-(-k // min(block_k, _common.next_pow2(k))), 128 // (b * s * (hp // bh))))
+        else:
+            num_splits = 1
     # Entries per online-softmax step: a power of two, no larger than one split's share.
+    least = 8 if tpu else _common.min_block(target)
     kb = max(least, min(block_k, _common.next_pow2(-(-k // num_splits))))
     wb = max(least, min(block_w, _common.next_pow2(-(-w // num_splits))))
-    kp, wp = _common.round_up(k, num_splits * kb), _common.round_up(w, num_splits * wb)
-    main_idx = _common.pad_axis(main_idx, 2, kp, -1)
-    window_idx = _common.pad_axis(window_idx, 2, wp, -1)
+    main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, num_splits * kb), -1)
+    window_idx = _common.pad_axis(window_idx, 2, _common.round_up(w, num_splits * wb), -1)
     q = _common.pad_axis(q, 2, hp, 0)
-    sink = _common.pad_axis(sink.astype(jnp.float32), 0, hp, 0)
-
-    def whole_row(x):  # the row's whole buffer; the kernel gathers from it
-        return pl.BlockSpec((None, *x.shape[1:]), lambda b_, s_, h_, p_: (b_, 0, 0))
-
-    def ids_spec(per_split):
-        return pl.BlockSpec((None, None, per_split), lambda b_, s_, h_, p_: (b_, s_, p_))
-
-    operands = [q, sink, main] + ([main_scale] if main_scale is not None else []) + [main_idx, window] + (
-        [window_scale] if window_scale is not None else []) + [window_idx]
-    in_specs = [pl.BlockSpec((None, None, bh, d), lambda b_, s_, h_, p_: (b_, s_, h_, 0)),
-                pl.BlockSpec((bh,), lambda b_, s_, h_, p_: (h_,)),
-                whole_row(main)] + ([whole_row(main_scale)] if main_scale is not None else []) + [
-                ids_spec(kp // num_splits), whole_row(window)] + (
-                [whole_row(window_scale)] if window_scale is not None else []) + [ids_spec(wp // num_splits)]
-    normalize = num_splits == 1
-    if normalize:
-        out_shape = jax.ShapeDtypeStruct((b, s, hp, d), jnp.float32)
-        out_specs = pl.BlockSpec((None, None, bh, d), lambda b_, s_, h_, p_: (b_, s_, h_, 0))
+    sink = _common.pad_axis(sink.astype(jnp.float32), 0, hp, 0)[:, None]  # [Hp, 1]
+    operands = (q, sink, main, main_scale, main_idx, window, window_scale, window_idx)
+    if tpu:
+        out = _tpu_call(*operands, target=target, kb=kb, wb=wb, splits=num_splits)
     else:
-        out_shape = (jax.ShapeDtypeStruct((num_splits, b, s, hp, d), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits, b, s, hp), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits, b, s, hp), jnp.float32))
-        out_specs = (pl.BlockSpec((None, None, None, bh, d), lambda b_, s_, h_, p_: (p_, b_, s_, h_, 0)),
-                     pl.BlockSpec((None, None, None, bh), lambda b_, s_, h_, p_: (p_, b_, s_, h_)),
-                     pl.BlockSpec((None, None, None, bh), lambda b_, s_, h_, p_: (p_, b_, s_, h_)))
-    kernel = functools.partial(_kernel, packed_main=main_scale is not None, packed_win=window_scale is not None,
-                               block_k=kb, block_w=wb, normalize=normalize)
-    out = pl.pallas_call(
-        kernel, grid=(b, s, n_hb, num_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 4),
-        name="csa2_sparse_attention",
-    )(*operands)
-    if not normalize:  # merge the splits' partials, then the sink (denominator only)
+        out = _gpu_call(*operands, target=target, bh=bh, kb=kb, wb=wb, splits=num_splits, num_warps=num_warps)
+    if num_splits > 1:  # merge the splits' partials, then the sink (denominator only)
         acc, m_p, l_p = out
-        m = jnp.max(m_p, axis=0)  # [B, S, Hp]; every split's max already includes the sink
+        m = jnp.max(m_p, axis=0)  # [B, S, Hp, 1]; every split's max already includes the sink
         corr = jnp.exp(m_p - m)
         l = jnp.sum(l_p * corr, axis=0)
-        out = jnp.sum(acc * corr[..., None], axis=0) / (l + jnp.exp(sink - m))[..., None]
+        out = jnp.sum(acc * corr, axis=0) / (l + jnp.exp(sink - m))
     return out[:, :, :h]
 
 
@@ -173,14 +270,15 @@ def sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx
                      block_w: int = 64, num_splits: int | None = None, num_warps: int = 4) -> Array:
     """Pallas version of `reference.sparse_attention` (see `ops.sparse_attention` for shapes).
 
-    block_h: heads per program (default: all heads in the interpreter, 16 on GPU);
-    block_k / block_w: main / window entries per online-softmax step (powers of two);
-    num_splits: entry splits per row (default 1 in the interpreter; on GPU enough for ~128 programs).
+    block_h: heads per program (default: all heads in the interpreter, 16 on GPU; TPU takes all heads);
+    block_k / block_w: main / window entries per online-softmax step and per DMA block (powers of two);
+    num_splits: entry splits per row (default 1 in the interpreter; on GPU enough for ~128 programs; on TPU
+    two for a lone row, one per TensorCore).
     """
     _common.check_sparse_attention(q, sink, main, main_idx, window, window_idx)
     for name, v in (("block_k", block_k), ("block_w", block_w), ("block_h", block_h or 1)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name}={v}: must be a power of two (Triton block shapes)")
     return _sparse_attention(q, sink, main, main_idx, window, window_idx,
-                             target=_common.resolve_target(interpret, "sparse_attention", False), block_h=block_h,
+                             target=_common.resolve_target(interpret, "sparse_attention"), block_h=block_h,
                              block_k=block_k, block_w=block_w, num_splits=num_splits, num_warps=num_warps)

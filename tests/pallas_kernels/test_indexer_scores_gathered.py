@@ -69,6 +69,30 @@ def test_indexer_scores_gathered_random_shapes(seed):
     check_scores(got, *_oracle(q, w, ikey, ids, visible))
 
 
+# --- the TPU form: SMEM ids, row DMAs, double-buffered VMEM (TPU interpreter on CPU; Mosaic lowering) -----
+
+@pytest.mark.parametrize("packed,block_p", [(True, 8), (False, 8), (True, 256)])
+def test_tpu_form_matches_oracle(packed, block_p):
+    q, w, ikey, ids, visible = indexer_case(16, b=2, s=3, hi=4, di=64, n=30, pool=21, packed=packed)
+    ids = ids.at[0, 1].set(-1).at[1, 0, 3].set(40).at[1, 2, 0].set(2 ** 30)  # all-invalid row; ids ≥ N
+    got = pk_indexer._indexer_scores_gathered(q, w, ikey, ids, visible, target="tpu_interpret", block_p=block_p,
+                                              num_warps=4)
+    check_scores(got, *_oracle(q, w, ikey, ids, visible))
+    np.testing.assert_array_equal(got, reference.indexer_scores_gathered(q, w, ikey, ids, visible))
+
+
+def test_tpu_form_lowers_through_mosaic():
+    """Pallas → Mosaic at real V4.1 dims (Hi 64, Di 128, a 1024-id pool), lowered for TPU on this CPU host."""
+    sd = jax.ShapeDtypeStruct
+    b, s, n = 2, 4, 4096
+    ikey = Stored(sd((b, n, 64), jnp.uint8), sd((b, n, 4), jnp.float8_e8m0fnu), INDEX)
+    t = pk_indexer._indexer_scores_gathered.trace(sd((b, s, 64, 128), jnp.float32), sd((b, s, 64), jnp.float32),
+                                                  ikey, sd((b, s, 1024), jnp.int32), sd((b, s), jnp.int32),
+                                                  target="mosaic", block_p=256, num_warps=4)
+    text = t.lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1 and "csa2_indexer_scores_gathered_tpu" in text
+
+
 # --- gradient ---------------------------------------------------------------------------------------
 
 def test_pallas_gradient_is_the_reference_gradient():

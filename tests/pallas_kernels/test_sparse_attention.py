@@ -139,6 +139,70 @@ def test_sparse_attention_random_shapes(seed):
                                reference.sparse_attention(*args), **TOL, err_msg=f"{shape} {kwargs}")
 
 
+# --- the TPU form: SMEM ids, row DMAs, double-buffered VMEM (TPU interpreter on CPU; Mosaic lowering) -----
+
+def _tpu(args, block_k=8, block_w=8, num_splits=None):
+    return np.asarray(pk_sparse._sparse_attention(*args, target="tpu_interpret", block_h=None, block_k=block_k,
+                                                  block_w=block_w, num_splits=num_splits, num_warps=4))
+
+
+@pytest.mark.parametrize("case,kwargs", [
+    ("chunk", dict()),  # H = 4 padded to 8; K = 37 padded to 40 with −1; wrapped ring, replay floor
+    ("chunk", dict(block_k=16, num_splits=2, packed_main=False)),
+    ("decode", dict(packed_win=False, num_splits=3)),
+    ("decode", dict(packed_main=False, packed_win=False, block_w=16)),
+])
+def test_tpu_form_matches_reference_and_oracle(case, kwargs):
+    packed = {key: kwargs.pop(key) for key in ("packed_main", "packed_win") if key in kwargs}
+    args, _ = attention_case(8, **ATTENTION_CASES[case], **packed)
+    got = _tpu(args, **kwargs)
+    np.testing.assert_allclose(got, reference.sparse_attention(*args), **TOL)
+    np.testing.assert_allclose(got, np_sparse_attention(args), **TOL)
+    _check_empty_rows_zero(got, args)
+
+
+def test_tpu_form_lone_decode_row_splits_in_two():
+    """One decode row (B = S = 1): the default splits its entries across the two TensorCores; a split whose
+    ids are all −1 padding starts no DMA and contributes nothing."""
+    shape = dict(ATTENTION_CASES["decode"], b=1, starts=[17], floors=[15])
+    args, _ = attention_case(9, **shape)
+    np.testing.assert_allclose(_tpu(args), reference.sparse_attention(*args), **TOL)
+    np.testing.assert_allclose(_tpu(args, block_k=16, num_splits=4), reference.sparse_attention(*args), **TOL)
+
+
+def test_tpu_form_invalid_ids_and_empty_sources():
+    """−1 and ≥ rows ids start no DMA (their slot rows keep finite stale data, masked out); an all-invalid row
+    gives 0; an SWA-only layer (no main ids) runs on a dummy source."""
+    args, _ = attention_case(10, **ATTENTION_CASES["chunk"])
+    q, sink, main, main_idx, win, win_idx = args
+    main_idx = main_idx.at[0, 0, :4].set(jnp.array([main.rows, -1, 2 ** 30, -7], jnp.int32))
+    win_idx = win_idx.at[1, 2, :2].set(win.rows)
+    args = (q, sink, main, main_idx, win, win_idx)
+    np.testing.assert_allclose(_tpu(args), np_sparse_attention(args), **TOL)
+    none = (q, sink, main, jnp.full_like(main_idx, -1), win, jnp.full_like(win_idx, -1))
+    assert np.all(_tpu(none) == 0)
+    only_win = (q, sink, main, main_idx[..., :0], win, win_idx)
+    np.testing.assert_allclose(_tpu(only_win), np_sparse_attention(only_win), **TOL)
+
+
+@pytest.mark.parametrize("s,k,packed_main,num_splits", [(1, 512, True, None), (16, 512, True, 1),
+                                                         (1, 512, False, None)])
+def test_tpu_form_lowers_through_mosaic(s, k, packed_main, num_splits):
+    """Pallas → Mosaic at real V4.1 dims (H 64, D 512, top-k 512, window 128), lowered for TPU on this CPU host:
+    decode (a lone row: two splits), a prefill chunk, and the float (QAT) Global KV."""
+    sd = jax.ShapeDtypeStruct
+    b, h, d, n, m = 1, 64, 512, 1024, 136
+    main = (Stored(sd((b, n, d // 2), jnp.uint8), sd((b, n, d // 16), jnp.float8_e4m3fn), MAIN) if packed_main
+            else Stored(sd((b, n, d), jnp.float32), None, MAIN))
+    window = Stored(sd((b, m, d), jnp.float8_e4m3fn), sd((b, m, d // 32), jnp.float8_e8m0fnu), WINDOW)
+    t = pk_sparse._sparse_attention.trace(sd((b, s, h, d), jnp.float32), sd((h,), jnp.float32), main,
+                                          sd((b, s, k), jnp.int32), window, sd((b, s, 128), jnp.int32),
+                                          target="mosaic", block_h=None, block_k=128, block_w=128,
+                                          num_splits=num_splits, num_warps=4)
+    text = t.lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1 and "csa2_sparse_attention_tpu" in text
+
+
 # --- gradient ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("packed_win", [True, False])
