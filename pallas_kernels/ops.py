@@ -3,8 +3,9 @@
 - `"xla"`: `reference.py`, the only XLA implementation of each op (and the oracle of every test).
 - `"pallas"`: the kernels. They run in the Pallas interpreter on CPU and compile through Triton on
   GPU (DESIGN §4) and through Mosaic on TPU (the gathering kernels in their SMEM-ids + row-DMA form,
-  `row_dma`). They have no backward pass of their own yet: their gradient is the
-  reference's, recomputed from the same inputs (`_reference_gradient`), so a model running the kernels trains.
+  `row_dma`). Sparse attention has its own backward kernel (GPU and interpreter; on TPU its gradient is
+  still the reference's); the indexer ops' gradient is the reference's, recomputed from the same inputs
+  (`_reference_gradient`: the index loss and Reindex train through it), so a model running the kernels trains.
 - `"auto"`: the reference on CPU (the interpreter is for tests, not speed), the kernels elsewhere.
 
 Every op takes plain arrays and `Stored` buffers and returns float32.
@@ -44,8 +45,7 @@ def _reference_gradient(kernel: Callable, ref: Callable) -> Callable:
 
 
 BACKENDS: dict[str, dict[str, Callable]] = {
-    "sparse_attention": {"xla": reference.sparse_attention,
-                         "pallas": _reference_gradient(_sparse.sparse_attention, reference.sparse_attention)},
+    "sparse_attention": {"xla": reference.sparse_attention, "pallas": _sparse.sparse_attention},
     "indexer_scores": {"xla": reference.indexer_scores,
                        "pallas": _reference_gradient(_indexer.indexer_scores, reference.indexer_scores)},
     "indexer_scores_gathered": {"xla": reference.indexer_scores_gathered,

@@ -26,11 +26,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common, row_dma
+from pallas_kernels import _common, reference, row_dma
 from pallas_kernels.formats import MAIN, WINDOW, decode_entries
 from pallas_kernels.stored import Stored
 
@@ -147,7 +148,7 @@ def _nonempty(data, scale, idx):
 
 
 def _gpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, target, bh, kb, wb,
-              splits, num_warps):
+              splits, partials, num_warps):
     """Grid `(B, S, Hp / bh, splits)`; each program holds its row's whole buffers and gathers from them."""
     b, s, hp, d = q.shape
 
@@ -165,7 +166,7 @@ def _gpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_
                 *map(whole_row, packed[1]), ids_spec(window_idx)]
     rows = lambda b_, s_, h_, p_: (b_, s_, h_, 0)  # noqa: E731
     parts = lambda b_, s_, h_, p_: (p_, b_, s_, h_, 0)  # noqa: E731
-    out_shape, out_specs = _outputs(b, s, hp, d, splits, bh, rows, parts)
+    out_shape, out_specs = _outputs(b, s, hp, d, splits, partials, bh, rows, parts)
     kernel = functools.partial(_kernel, packed_main=main_scale is not None, packed_win=window_scale is not None,
                                block_k=kb, block_w=wb)
     return pl.pallas_call(
@@ -175,7 +176,8 @@ def _gpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_
     )(*operands)
 
 
-def _tpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, target, kb, wb, splits):
+def _tpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, target, kb, wb, splits,
+              partials):
     """Grid `(B, S, splits)`, all heads per program; buffers stay in HBM (`memory_space=ANY`) and each split's
     ids arrive twice: in SMEM (DMA addresses) and in VMEM as `[steps, block]` (validity masks)."""
     b, s, hp, d = q.shape
@@ -197,7 +199,7 @@ def _tpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_
                 pl.BlockSpec((hp, 1), lambda b_, s_, p_: (0, 0))] + [hbm] * (len(main_src) + len(win_src))
     rows = lambda b_, s_, p_: (b_, s_, 0, 0)  # noqa: E731
     parts = lambda b_, s_, p_: (p_, b_, s_, 0, 0)  # noqa: E731
-    out_shape, out_specs = _outputs(b, s, hp, d, splits, hp, rows, parts)
+    out_shape, out_specs = _outputs(b, s, hp, d, splits, partials, hp, rows, parts)
     scratch = row_dma.scratch(kb, *main_src) + row_dma.scratch(wb, *win_src)
     kernel = functools.partial(_tpu_kernel, packed_main=main_scale is not None, packed_win=window_scale is not None,
                                steps_k=main_vmem.shape[1], steps_w=win_vmem.shape[1], block_k=kb, block_w=wb)
@@ -208,19 +210,23 @@ def _tpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_
     )(main_smem, win_smem, main_vmem, win_vmem, q, sink, *main_src, *win_src)
 
 
-def _outputs(b, s, hp, d, splits, bh, rows, parts):
-    """(out_shape, out_specs): the normalized output `[B, S, Hp, D]` with one split, else each split's
-    partials: acc `[splits, B, S, Hp, D]`, m and l `[splits, B, S, Hp, 1]`."""
-    if splits == 1:
+def _outputs(b, s, hp, d, splits, partials, bh, rows, parts):
+    """(out_shape, out_specs): the normalized output `[B, S, Hp, D]`, or (`partials`) each split's
+    acc `[splits, B, S, Hp, D]`, m and l `[splits, B, S, Hp, 1]`."""
+    if not partials:
         return jax.ShapeDtypeStruct((b, s, hp, d), jnp.float32), pl.BlockSpec((None, None, bh, d), rows)
     shapes = ((splits, b, s, hp, d), (splits, b, s, hp, 1), (splits, b, s, hp, 1))
     return (tuple(jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes),
             tuple(pl.BlockSpec((None, None, None, bh, x[-1]), parts) for x in shapes))
 
 
-@functools.partial(jax.jit, static_argnames=("target", "block_h", "block_k", "block_w", "num_splits", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("target", "block_h", "block_k", "block_w", "num_splits", "num_warps",
+                                             "with_lse"))
 def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx, *, target: str,
-                      block_h: int | None, block_k: int, block_w: int, num_splits: int | None, num_warps: int):
+                      block_h: int | None, block_k: int, block_w: int, num_splits: int | None, num_warps: int,
+                      with_lse: bool = False):
+    """The output [B, S, H, D]; with `with_lse`, also each row's log-normalizer over entries and sink
+    `lse = m + log(l + exp(sink − m))` [B, S, H, 1] (what the backward pass needs)."""
     b, s, h, d = q.shape
     main, main_scale, main_idx = _nonempty(*main.bits(), main_idx.astype(jnp.int32))
     window, window_scale, window_idx = _nonempty(*window.bits(), window_idx.astype(jnp.int32))
@@ -252,17 +258,169 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
     q = _common.pad_axis(q, 2, hp, 0)
     sink = _common.pad_axis(sink.astype(jnp.float32), 0, hp, 0)[:, None]  # [Hp, 1]
     operands = (q, sink, main, main_scale, main_idx, window, window_scale, window_idx)
+    partials = num_splits > 1 or with_lse
     if tpu:
-        out = _tpu_call(*operands, target=target, kb=kb, wb=wb, splits=num_splits)
+        out = _tpu_call(*operands, target=target, kb=kb, wb=wb, splits=num_splits, partials=partials)
     else:
-        out = _gpu_call(*operands, target=target, bh=bh, kb=kb, wb=wb, splits=num_splits, num_warps=num_warps)
-    if num_splits > 1:  # merge the splits' partials, then the sink (denominator only)
-        acc, m_p, l_p = out
-        m = jnp.max(m_p, axis=0)  # [B, S, Hp, 1]; every split's max already includes the sink
-        corr = jnp.exp(m_p - m)
-        l = jnp.sum(l_p * corr, axis=0)
-        out = jnp.sum(acc * corr, axis=0) / (l + jnp.exp(sink - m))
-    return out[:, :, :h]
+        out = _gpu_call(*operands, target=target, bh=bh, kb=kb, wb=wb, splits=num_splits, partials=partials,
+                        num_warps=num_warps)
+    if not partials:
+        return out[:, :, :h]
+    # Merge the splits' partials, then the sink (denominator only).
+    acc, m_p, l_p = out
+    m = jnp.max(m_p, axis=0)  # [B, S, Hp, 1]; every split's max already includes the sink
+    corr = jnp.exp(m_p - m)
+    denom = jnp.sum(l_p * corr, axis=0) + jnp.exp(sink - m)
+    out = (jnp.sum(acc * corr, axis=0) / denom)[:, :, :h]
+    return (out, (m + jnp.log(denom))[:, :, :h]) if with_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward pass (flash-attention style, from the saved log-normalizer; K = V, so each entry gets both terms)
+#
+#   p_e = exp(l_e − lse),  l_e = q·kv_e·D^-½          Δ = Σ_d dO·o
+#   dl_e = p_e (dO·kv_e − Δ)                           dq = D^-½ Σ_e dl_e kv_e
+#   d kv_e = Σ_h (p_e dO + D^-½ dl_e q)               d sink = −Σ_rows exp(sink − lse) Δ
+#
+# The kernel writes d kv per selected id ([B, S, entries, D]); XLA adds them into the buffers' rows.
+
+
+def _bwd_kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: int):
+    it = iter(refs)
+    q_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(4))
+    main_ref = next(it)
+    main_scale_ref = next(it) if packed_main else None
+    main_idx_ref = next(it)
+    win_ref = next(it)
+    win_scale_ref = next(it) if packed_win else None
+    win_idx_ref = next(it)
+    dq_ref, dmain_ref, dwin_ref = it
+
+    q = q_ref[...].astype(jnp.float32)  # [BH, D]
+    do = do_ref[...]  # [BH, D]
+    lse, delta = lse_ref[...], delta_ref[...]  # [BH, 1]
+    scale = q.shape[-1] ** -0.5
+    dot = functools.partial(lax.dot_general, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    def source(data_ref, scale_ref, idx_ref, d_ref, block, fmt, dq):
+        rows = data_ref.shape[0]
+
+        def body(j, dq):
+            idx = idx_ref[pl.ds(j * block, block)]
+            valid = (idx >= 0) & (idx < rows)
+            row = jnp.where(valid, idx, 0)
+            kv = decode_entries(data_ref[row, :], None if scale_ref is None else scale_ref[row, :], fmt)  # [E, D]
+            logits = dot(q, kv, (((1,), (1,)), ((), ()))) * scale  # [BH, E]
+            p = jnp.where(valid[None, :], jnp.exp(logits - lse), 0.0)
+            dl = p * (dot(do, kv, (((1,), (1,)), ((), ()))) - delta)
+            d_ref[pl.ds(j * block, block), :] = (dot(p, do, (((0,), (0,)), ((), ())))
+                                                 + scale * dot(dl, q, (((0,), (0,)), ((), ()))))  # [E, D]
+            return dq + scale * dot(dl, kv, (((1,), (0,)), ((), ())))
+
+        return lax.fori_loop(0, idx_ref.shape[0] // block, body, dq)
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = source(main_ref, main_scale_ref, main_idx_ref, dmain_ref, block_k, MAIN, dq)
+    dq = source(win_ref, win_scale_ref, win_idx_ref, dwin_ref, block_w, WINDOW, dq)
+    dq_ref[...] = dq
+
+
+@functools.partial(jax.jit, static_argnames=("target", "block_h", "block_k", "block_w", "num_warps"))
+def _sparse_attention_bwd(q, sink, main: Stored, main_idx, window: Stored, window_idx, out, lse, do, *,
+                          target: str, block_h: int | None, block_k: int, block_w: int, num_warps: int):
+    """(dq, dsink, d main entries [B, rows, D], d window entries) of Σ do·out, from the saved `out` and `lse`."""
+    b, s, h, d = q.shape
+    m_rows, w_rows = main.rows, window.rows
+    main_bits, main_scale, main_idx = _nonempty(*main.bits(), main_idx.astype(jnp.int32))
+    win_bits, win_scale, win_idx = _nonempty(*window.bits(), window_idx.astype(jnp.int32))
+    k, w = main_idx.shape[-1], win_idx.shape[-1]
+    bh = (block_h or h) if target == "interpret" else max(16, _common.next_pow2(block_h or 16))
+    hp = _common.round_up(h, bh)
+    least = _common.min_block(target)
+    kb = max(least, min(block_k, _common.next_pow2(k)))
+    wb = max(least, min(block_w, _common.next_pow2(w)))
+    kp, wp = _common.round_up(k, kb), _common.round_up(w, wb)
+    main_idx, win_idx = _common.pad_axis(main_idx, 2, kp, -1), _common.pad_axis(win_idx, 2, wp, -1)
+    do = do.astype(jnp.float32)
+    delta = jnp.sum(do * out, axis=-1, keepdims=True)  # [B, S, H, 1]
+    # Padded heads: q = dO = 0, lse = +inf, so their p and every gradient they touch are 0.
+    q_p, do_p = (_common.pad_axis(x, 2, hp, 0) for x in (q, do))
+    lse_p, delta_p = _common.pad_axis(lse, 2, hp, jnp.inf), _common.pad_axis(delta, 2, hp, 0)
+
+    def whole_row(x):
+        return pl.BlockSpec((None, *x.shape[1:]), lambda b_, s_, h_: (b_, 0, 0))
+
+    def ids_spec(x):
+        return pl.BlockSpec((None, None, x.shape[-1]), lambda b_, s_, h_: (b_, s_, 0))
+
+    def heads(width):
+        return pl.BlockSpec((None, None, bh, width), lambda b_, s_, h_: (b_, s_, h_, 0))
+
+    def per_entry(x):  # one slab per head block, summed below
+        return pl.BlockSpec((None, None, None, x.shape[-1], d), lambda b_, s_, h_: (h_, b_, s_, 0, 0))
+
+    packed = [x for x in (main_scale,) if x is not None], [x for x in (win_scale,) if x is not None]
+    n_hb = hp // bh
+    dq, dmain, dwin = pl.pallas_call(
+        functools.partial(_bwd_kernel, packed_main=main_scale is not None, packed_win=win_scale is not None,
+                          block_k=kb, block_w=wb),
+        grid=(b, s, n_hb),
+        in_specs=[heads(d), heads(d), heads(1), heads(1), whole_row(main_bits), *map(whole_row, packed[0]),
+                  ids_spec(main_idx), whole_row(win_bits), *map(whole_row, packed[1]), ids_spec(win_idx)],
+        out_specs=(heads(d), per_entry(main_idx), per_entry(win_idx)),
+        out_shape=(jax.ShapeDtypeStruct((b, s, hp, d), jnp.float32),
+                   jax.ShapeDtypeStruct((n_hb, b, s, kp, d), jnp.float32),
+                   jax.ShapeDtypeStruct((n_hb, b, s, wp, d), jnp.float32)),
+        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 3),
+        name="csa2_sparse_attention_bwd",
+    )(q_p, do_p, lse_p, delta_p, main_bits, *packed[0], main_idx, win_bits, *packed[1], win_idx)
+
+    def scatter(d_entries, idx, rows):  # Σ over the (row, id) pairs that read each buffer row
+        keep = (idx >= 0) & (idx < rows)
+        batch = jnp.arange(b)[:, None, None]
+        grad = jnp.where(keep[..., None], jnp.sum(d_entries, axis=0), 0.0)
+        return jnp.zeros((b, rows, d), jnp.float32).at[batch, jnp.where(keep, idx, rows)].add(grad, mode="drop")
+
+    dsink = -jnp.sum(jnp.exp(sink.astype(jnp.float32)[:, None] - lse) * delta, axis=(0, 1))[:, 0]
+    return dq[:, :, :h], dsink, scatter(dmain, main_idx, m_rows), scatter(dwin, win_idx, w_rows)
+
+
+def _cotangent(x, grad):
+    """The cotangent of input `x`: `grad` for float inputs, float0 zeros for integer ones (ids, packed bits)."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return grad.astype(x.dtype).reshape(x.shape)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _stored_cotangent(store: Stored, grad) -> Stored:
+    """A `Stored` buffer's cotangent: d payload for float storage; packed bits get float0."""
+    return Stored(_cotangent(store.payload, grad), None if store.scale is None else _cotangent(store.scale, None),
+                  store.fmt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _differentiable(q, sink, main, main_idx, window, window_idx, opts):
+    return _sparse_attention(q, sink, main, main_idx, window, window_idx, **dict(opts))
+
+
+def _differentiable_fwd(q, sink, main, main_idx, window, window_idx, opts):
+    out, lse = _sparse_attention(q, sink, main, main_idx, window, window_idx, **dict(opts), with_lse=True)
+    return out, (q, sink, main, main_idx, window, window_idx, out, lse)
+
+
+def _differentiable_bwd(opts, res, do):
+    q, sink, main, main_idx, window, window_idx, out, lse = res
+    opts = dict(opts)
+    if _common.mosaic(opts["target"]):  # no TPU form of the backward kernel yet: the reference's gradient
+        return jax.vjp(reference.sparse_attention, *res[:6])[1](do)
+    dq, dsink, dmain, dwin = _sparse_attention_bwd(
+        *res, do, target=opts["target"], block_h=opts["block_h"], block_k=opts["block_k"], block_w=opts["block_w"],
+        num_warps=opts["num_warps"])
+    return (_cotangent(q, dq), _cotangent(sink, dsink), _stored_cotangent(main, dmain), _cotangent(main_idx, None),
+            _stored_cotangent(window, dwin), _cotangent(window_idx, None))
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
 def sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx, *,
@@ -279,6 +437,6 @@ def sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx
     for name, v in (("block_k", block_k), ("block_w", block_w), ("block_h", block_h or 1)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name}={v}: must be a power of two (Triton block shapes)")
-    return _sparse_attention(q, sink, main, main_idx, window, window_idx,
-                             target=_common.resolve_target(interpret, "sparse_attention"), block_h=block_h,
-                             block_k=block_k, block_w=block_w, num_splits=num_splits, num_warps=num_warps)
+    opts = (("target", _common.resolve_target(interpret, "sparse_attention")), ("block_h", block_h),
+            ("block_k", block_k), ("block_w", block_w), ("num_splits", num_splits), ("num_warps", num_warps))
+    return _differentiable(q, sink, main, main_idx, window, window_idx, opts)

@@ -2,8 +2,9 @@
 
 The same parameters run through both impls: an attention stack of every role (SWA, Full,
 candidate source, Reindex, Reuse) on a chunk and a decode step, then the whole model on a
-prefill and decode steps, and the gradient of the training forward with the indexer loss (the
-kernels' backward pass is the reference's, `ops._reference_gradient`). Shapes stay tiny (the Pallas interpreter is slow), and the two impls
+prefill and decode steps, and the gradient of the training forward with the indexer loss (sparse
+attention's own backward kernel; the indexer ops' gradient is the reference's, `ops._reference_gradient`).
+Shapes stay tiny (the Pallas interpreter is slow), and the two impls
 run in two threads: compiling dominates these tests and XLA compiles outside the GIL.
 """
 
@@ -84,8 +85,9 @@ def test_model_prefill_and_decode_match_xla(mini_params):
 
 
 def test_forward_gradient_with_index_loss_matches_xla(mini_params):
-    """jax.grad through `forward(..., index_loss="sparse")`: the kernels' custom VJP (the reference's
-    gradient, recomputed) gives the xla config's gradient, for every parameter."""
+    """jax.grad through `forward(..., index_loss="sparse")`: the kernels' custom VJPs (sparse attention's
+    backward kernel) give the xla config's gradient, for every parameter, within 1e-4 of its norm. (The
+    reference's backward on the kernels' forward measured the same worst figures: the gap is the forward's.)"""
     tokens = jax.random.randint(jax.random.PRNGKey(4), (B, 10), 0, 256, jnp.int32)
 
     def run(cfg):

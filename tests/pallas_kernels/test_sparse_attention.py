@@ -203,24 +203,47 @@ def test_tpu_form_lowers_through_mosaic(s, k, packed_main, num_splits):
     assert text.count("tpu_custom_call") == 1 and "csa2_sparse_attention_tpu" in text
 
 
-# --- gradient ---------------------------------------------------------------------------------------
+# --- gradient: the backward kernel -------------------------------------------------------------------
 
-@pytest.mark.parametrize("packed_win", [True, False])
-def test_pallas_gradient_is_the_reference_gradient(packed_win):
-    """ops' custom_vjp: d/dq and d/d(float main payload) through impl="pallas" equal those through impl="xla"."""
-    args, _ = attention_case(6, **ATTENTION_CASES["chunk"], packed_main=False, packed_win=packed_win)
+def _grads(fn, args, r):
+    """d/d(q, sink, main, window) of Σ r·fn(args) (float0 for integer leaves: packed bits, ids)."""
     q, sink, main, main_idx, win, win_idx = args
-    r = jnp.asarray(np.random.default_rng(7).standard_normal(q.shape), jnp.float32)
+    loss = lambda q, sink, main, win: jnp.sum(fn(q, sink, main, main_idx, win, win_idx) * r)  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2, 3), allow_int=True)(q, sink, main, win)
 
-    def loss(q, payload, impl):
-        out = ops.sparse_attention(q, sink, Stored(payload, None, MAIN), main_idx, win, win_idx, impl=impl)
-        return jnp.sum(out * r)
 
-    grads = {impl: jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1))(q, main.payload)
-             for impl in ops.IMPLS}
-    for want, got in zip(grads["xla"], grads["pallas"]):
-        assert np.abs(np.asarray(want)).max() > 0
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("case,packed,kwargs", [
+    ("chunk", dict(packed_main=False, packed_win=False), dict()),
+    ("chunk", dict(packed_main=False, packed_win=True), dict(block_h=2, block_k=8, block_w=4)),  # 2 head blocks
+    ("decode", dict(packed_main=True, packed_win=False), dict(block_k=4, num_splits=2)),
+])
+def test_backward_kernel_is_the_reference_gradient(case, packed, kwargs):
+    """Sparse attention's custom VJP (the backward kernel from the saved log-normalizer, d kv added into the
+    selected rows): d/dq, d/dsink and d/d(float payloads) equal the reference's; packed bits get float0."""
+    args, _ = attention_case(6, **ATTENTION_CASES[case], **packed)
+    main_idx = args[3].at[0, 0, :3].set(jnp.array([args[2].rows, -1, 0], jnp.int32))  # an id ≥ N; −1
+    args = (*args[:3], main_idx, *args[4:])
+    r = jnp.asarray(np.random.default_rng(7).standard_normal(args[0].shape), jnp.float32)
+    want = _grads(reference.sparse_attention, args, r)
+    got = _grads(functools.partial(pk_sparse.sparse_attention, interpret=True, **kwargs), args, r)
+    for name, w, g in zip(("q", "sink", "main", "window"), want, got):
+        for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g)):
+            assert wl.dtype == gl.dtype and wl.shape == gl.shape, name
+            if wl.dtype != jax.dtypes.float0:
+                assert np.abs(np.asarray(wl)).max() > 0, name
+                np.testing.assert_allclose(gl, wl, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_backward_kernel_lowers_through_triton():
+    """The backward kernel → Triton IR at V4.1 dims on the float (QAT) buffers training uses."""
+    sd = jax.ShapeDtypeStruct
+    b, s, h, d, n, m, k, win = 1, 4, 64, 512, 1024, 136, 512, 128
+    f = sd((b, s, h, d), jnp.float32)
+    t = pk_sparse._sparse_attention_bwd.trace(f, sd((h,), jnp.float32), Stored(sd((b, n, d), jnp.float32), None, MAIN),
+                                              sd((b, s, k), jnp.int32), Stored(sd((b, m, d), jnp.float32), None, WINDOW),
+                                              sd((b, s, win), jnp.int32), f, sd((b, s, h, 1), jnp.float32), f,
+                                              target="triton", block_h=16, block_k=32, block_w=32, num_warps=4)
+    assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
 
 
 # --- dispatch, checks, lowering -----------------------------------------------------------------
