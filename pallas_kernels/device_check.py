@@ -1,6 +1,7 @@
 """`python -m pallas_kernels.device_check [--dry-run]`: the kernels on this machine's accelerator, in one command.
 
-1. **Parity**: every Pallas op (`impl="pallas"`) against the XLA reference on the device, at V4.1 dims (64 heads
+1. **Parity**: every Pallas op (`impl="pallas"`), and sparse attention's backward kernel (gradients on float
+   buffers), against the XLA reference on the device, at V4.1 dims (64 heads
    × 512 latent, indexer 32 × 128, top-k 512, window 128) and with the CPU tests' edge cases: −1 and
    out-of-range ids, a row with no valid entry, `visible` 0 and past N, odd sizes. One JSON line per case
    (`"check": "parity"`, the largest difference where both are finite, whether the −inf/0 pattern agrees).
@@ -57,7 +58,24 @@ def _cases(dry_run: bool, seed: int = 0) -> list[tuple[str, str, tuple]]:
         out.append(("indexer_scores_gathered", f"S={s}", (q, w, ikey, jnp.asarray(ids), visible)))
         scores = normal(1, s, n).at[0, 0, n // 2:].set(-jnp.inf)
         out.append(("block_max", f"S={s}", (scores, 8)))
+        # Training reads float (QAT) buffers: the backward kernel's gradient against the reference's.
+        float_main, float_win = (Stored(x.decode(), None, x.fmt) for x in (main, win))
+        out.append(("sparse_attention_grad", f"S={s}", (normal(1, s, heads, latent), normal(heads), float_main,
+                                                        jnp.asarray(main_idx), float_win, jnp.asarray(win_idx))))
     return out
+
+
+def sparse_attention_grad(q, sink, main: Stored, main_idx, window: Stored, window_idx, *, impl: str) -> jax.Array:
+    """d/d(q, sink, main, window) of Σ r · sparse_attention, r fixed, flattened into one vector."""
+    r = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
+
+    def loss(q, sink, main_payload, window_payload):
+        out = ops.sparse_attention(q, sink, Stored(main_payload, None, main.fmt), main_idx,
+                                   Stored(window_payload, None, window.fmt), window_idx, impl=impl)
+        return jnp.sum(out * r)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, sink, main.payload, window.payload)
+    return jnp.concatenate([g.ravel() for g in grads])
 
 
 def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, bool]:
@@ -72,7 +90,7 @@ def parity(dry_run: bool) -> list[dict]:
     """One line per (op, case): Pallas against the XLA reference on this backend."""
     lines = []
     for op, case, args in _cases(dry_run):
-        fn = getattr(ops, op)
+        fn = sparse_attention_grad if op == "sparse_attention_grad" else getattr(ops, op)
         got, want = (np.asarray(fn(*args, impl=impl)) for impl in ("pallas", "xla"))
         err, same = _compare(got, want)
         lines.append({"check": "parity", **bench.machine(), "op": op, "case": case, "shape": list(want.shape),

@@ -3,8 +3,8 @@
 - `"xla"`: `reference.py`, the only XLA implementation of each op (and the oracle of every test).
 - `"pallas"`: the kernels. They run in the Pallas interpreter on CPU and compile through Triton on
   GPU (DESIGN §4) and through Mosaic on TPU (the gathering kernels in their SMEM-ids + row-DMA form,
-  `row_dma`). Sparse attention has its own backward kernel (GPU and interpreter; on TPU its gradient is
-  still the reference's); the indexer ops' gradient is the reference's, recomputed from the same inputs
+  `row_dma`). Sparse attention has its own backward kernel, in both forms; the indexer ops' gradient is
+  the reference's, recomputed from the same inputs
   (`_reference_gradient`: the index loss and Reindex train through it), so a model running the kernels trains.
 - `"auto"`: the reference on CPU (the interpreter is for tests, not speed), the kernels elsewhere.
 

@@ -18,6 +18,10 @@ Two forms gather the rows, one per kind of hardware:
   vector gather, so the ids sit in SMEM and drive one DMA per row from HBM into double-buffered VMEM
   slots (`row_dma`), both sources' first blocks in flight before any compute. VMEM holds 2 × block
   rows per source and one block decoded to float32 (block_k = 128 at D = 512: 256 KiB).
+
+The backward pass (`jax.custom_vjp`) is a kernel of each form too: it recomputes each block's
+probabilities from the log-normalizer the forward saved, accumulates dq, and writes each selected id's
+d kv, which XLA adds into the buffer rows (float storage; packed bits and ids get no gradient).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common, reference, row_dma
+from pallas_kernels import _common, row_dma
 from pallas_kernels.formats import MAIN, WINDOW, decode_entries
 from pallas_kernels.stored import Stored
 
@@ -105,36 +109,35 @@ def _tpu_kernel(*refs, packed_main: bool, packed_win: bool, steps_k: int, steps_
                 block_w: int):
     """TPU (Mosaic): SMEM ids drive per-row DMAs from HBM into double-buffered VMEM slots (`row_dma`); the
     same ids as a VMEM block give the validity masks."""
-    n_main, n_win = 1 + packed_main, 1 + packed_win
-    it = iter(refs)
-    main_ids, win_ids, main_ids_v, win_ids_v, q_ref, sink_ref = (next(it) for _ in range(6))
-    main_src = tuple(next(it) for _ in range(n_main))
-    win_src = tuple(next(it) for _ in range(n_win))
-    out_refs = [next(it) for _ in range(len(refs) - 6 - 3 * (n_main + n_win))]
-    main_slots, main_sems = tuple(next(it) for _ in range(n_main)), tuple(next(it) for _ in range(n_main))
-    win_slots, win_sems = tuple(next(it) for _ in range(n_win)), tuple(next(it) for _ in range(n_win))
-
+    (main_ids, win_ids, main_ids_v, win_ids_v, q_ref, sink_ref), main, win, out_refs = _tpu_refs(
+        refs, 6, 1 + packed_main, 1 + packed_win)
     q = q_ref[...].astype(jnp.float32)  # [Hp, D]
     scale = q.shape[-1] ** -0.5
     sink = sink_ref[...]  # [Hp, 1]
-    b = pl.program_id(0)
-    sources = [(row_dma.RowGather(main_ids, main_src, main_slots, main_sems, b, block_k), main_ids_v, steps_k, MAIN),
-               (row_dma.RowGather(win_ids, win_src, win_slots, win_sems, b, block_w), win_ids_v, steps_w, WINDOW)]
-    for gather, _, steps, _ in sources:  # both sources' first blocks in flight before any compute
-        gather.zero()
-        gather.prime(steps)
-
     carry = (sink, jnp.zeros_like(sink), jnp.zeros(q.shape, jnp.float32))
-    for gather, ids_v, steps, fmt in sources:
+    carry = _tpu_walk((main_ids, win_ids), (main_ids_v, win_ids_v), (main, win), (steps_k, steps_w),
+                      (block_k, block_w), lambda _, j, kv, valid, carry: _attend(q, kv, valid, carry, scale), carry)
+    _finish(carry, sink, out_refs)
+
+
+def _tpu_walk(ids, ids_v, sources, steps, blocks, step, carry):
+    """Both sources' selected rows by DMA, both first blocks in flight before any compute:
+    `carry = step(source, j, kv [block, D], valid [1, block], carry)`, main (source 0) then window (1)."""
+    b = pl.program_id(0)
+    gathers = [row_dma.RowGather(i, *src, b, block) for i, src, block in zip(ids, sources, blocks)]
+    for gather, n in zip(gathers, steps):
+        gather.zero()
+        gather.prime(n)
+    for source, (gather, idx_v, n, fmt) in enumerate(zip(gathers, ids_v, steps, (MAIN, WINDOW))):
         rows = gather.sources[0].shape[1]
 
-        def body(j, fetched, carry, ids_v=ids_v, rows=rows, fmt=fmt):
-            idx = ids_v[pl.ds(j, 1), :]  # [1, block]
+        def body(j, fetched, carry, source=source, idx_v=idx_v, rows=rows, fmt=fmt):
+            idx = idx_v[pl.ds(j, 1), :]  # [1, block]
             kv = decode_entries(fetched[0], fetched[1] if len(fetched) > 1 else None, fmt)
-            return _attend(q, kv, (idx >= 0) & (idx < rows), carry, scale)
+            return step(source, j, kv, (idx >= 0) & (idx < rows), carry)
 
-        carry = gather.pipeline(steps, body, carry)
-    _finish(carry, sink, out_refs)
+        carry = gather.pipeline(n, body, carry)
+    return carry
 
 
 def _nonempty(data, scale, idx):
@@ -176,21 +179,36 @@ def _gpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_
     )(*operands)
 
 
+def _tpu_ids(idx, block, splits):
+    """Ids `[B, S, splits · steps · block]` as one row per program `(b, s, split)` of a `(B, S, splits)` grid:
+    in SMEM `[1, steps · block]` (DMA addresses) and in VMEM `[steps, block]` (validity masks)."""
+    b, s = idx.shape[:2]
+    flat = idx.reshape(b * s * splits, -1, block)
+    program = lambda b_, s_, p_=0: ((b_ * s + s_) * splits + p_, 0, 0)  # noqa: E731
+    return ([flat.reshape(b * s * splits, 1, -1), flat],
+            [pl.BlockSpec((None, 1, flat.shape[1] * block), program, memory_space=pltpu.SMEM),
+             pl.BlockSpec((None, flat.shape[1], block), program)])
+
+
+def _tpu_refs(refs, lead: int, n_main: int, n_win: int):
+    """Split a TPU kernel's refs: `lead` operands, the main and window HBM sources, the outputs, and the
+    scratch (VMEM slots, then DMA semaphores, per source)."""
+    n_out = len(refs) - lead - 3 * (n_main + n_win)
+    it = iter(refs)
+    take = lambda n: tuple(next(it) for _ in range(n))  # noqa: E731
+    lead_refs, main_src, win_src, outs = take(lead), take(n_main), take(n_win), take(n_out)
+    main_slots, main_sems, win_slots, win_sems = take(n_main), take(n_main), take(n_win), take(n_win)
+    return lead_refs, (main_src, main_slots, main_sems), (win_src, win_slots, win_sems), outs
+
+
 def _tpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, target, kb, wb, splits,
               partials):
     """Grid `(B, S, splits)`, all heads per program; buffers stay in HBM (`memory_space=ANY`) and each split's
     ids arrive twice: in SMEM (DMA addresses) and in VMEM as `[steps, block]` (validity masks)."""
     b, s, hp, d = q.shape
 
-    def ids(x, block):  # [B, S, splits · steps · block] → one row of ids per program
-        flat = x.reshape(b * s * splits, -1, block)
-        program = lambda b_, s_, p_: ((b_ * s + s_) * splits + p_, 0, 0)  # noqa: E731
-        return ([flat.reshape(b * s * splits, 1, -1), flat],
-                [pl.BlockSpec((None, 1, flat.shape[1] * block), program, memory_space=pltpu.SMEM),
-                 pl.BlockSpec((None, flat.shape[1], block), program)])
-
-    (main_smem, main_vmem), (main_smem_spec, main_vmem_spec) = ids(main_idx, kb)
-    (win_smem, win_vmem), (win_smem_spec, win_vmem_spec) = ids(window_idx, wb)
+    (main_smem, main_vmem), (main_smem_spec, main_vmem_spec) = _tpu_ids(main_idx, kb, splits)
+    (win_smem, win_vmem), (win_smem_spec, win_vmem_spec) = _tpu_ids(window_idx, wb, splits)
     main_src = [x for x in (main, main_scale) if x is not None]
     win_src = [x for x in (window, window_scale) if x is not None]
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -285,7 +303,18 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
 # The kernel writes d kv per selected id ([B, S, entries, D]); XLA adds them into the buffers' rows.
 
 
+def _entry_grads(q, do, lse, delta, kv, valid, scale):
+    """One block of entries: (d kv [E, D] summed over the heads, its dq contribution [BH, D])."""
+    dot = functools.partial(lax.dot_general, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    logits = dot(q, kv, (((1,), (1,)), ((), ()))) * scale  # [BH, E]
+    p = jnp.where(valid, jnp.exp(logits - lse), 0.0)
+    dl = p * (dot(do, kv, (((1,), (1,)), ((), ()))) - delta)
+    dkv = dot(p, do, (((0,), (0,)), ((), ()))) + scale * dot(dl, q, (((0,), (0,)), ((), ())))
+    return dkv, scale * dot(dl, kv, (((1,), (0,)), ((), ())))
+
+
 def _bwd_kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: int):
+    """GPU (Triton) and the generic interpreter."""
     it = iter(refs)
     q_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(4))
     main_ref = next(it)
@@ -297,10 +326,8 @@ def _bwd_kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_
     dq_ref, dmain_ref, dwin_ref = it
 
     q = q_ref[...].astype(jnp.float32)  # [BH, D]
-    do = do_ref[...]  # [BH, D]
-    lse, delta = lse_ref[...], delta_ref[...]  # [BH, 1]
+    do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]  # [BH, D], [BH, 1], [BH, 1]
     scale = q.shape[-1] ** -0.5
-    dot = functools.partial(lax.dot_general, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
     def source(data_ref, scale_ref, idx_ref, d_ref, block, fmt, dq):
         rows = data_ref.shape[0]
@@ -310,12 +337,9 @@ def _bwd_kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_
             valid = (idx >= 0) & (idx < rows)
             row = jnp.where(valid, idx, 0)
             kv = decode_entries(data_ref[row, :], None if scale_ref is None else scale_ref[row, :], fmt)  # [E, D]
-            logits = dot(q, kv, (((1,), (1,)), ((), ()))) * scale  # [BH, E]
-            p = jnp.where(valid[None, :], jnp.exp(logits - lse), 0.0)
-            dl = p * (dot(do, kv, (((1,), (1,)), ((), ()))) - delta)
-            d_ref[pl.ds(j * block, block), :] = (dot(p, do, (((0,), (0,)), ((), ())))
-                                                 + scale * dot(dl, q, (((0,), (0,)), ((), ()))))  # [E, D]
-            return dq + scale * dot(dl, kv, (((1,), (0,)), ((), ())))
+            dkv, ddq = _entry_grads(q, do, lse, delta, kv, valid[None, :], scale)
+            d_ref[pl.ds(j * block, block), :] = dkv
+            return dq + ddq
 
         return lax.fori_loop(0, idx_ref.shape[0] // block, body, dq)
 
@@ -323,6 +347,88 @@ def _bwd_kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_
     dq = source(main_ref, main_scale_ref, main_idx_ref, dmain_ref, block_k, MAIN, dq)
     dq = source(win_ref, win_scale_ref, win_idx_ref, dwin_ref, block_w, WINDOW, dq)
     dq_ref[...] = dq
+
+
+def _tpu_bwd_kernel(*refs, packed_main: bool, packed_win: bool, steps_k: int, steps_w: int, block_k: int,
+                    block_w: int):
+    """TPU (Mosaic): the rows arrive as in the forward (`_tpu_walk`); each block's d kv goes to its own slab."""
+    (main_ids, win_ids, main_ids_v, win_ids_v, q_ref, do_ref, lse_ref, delta_ref), main, win, outs = _tpu_refs(
+        refs, 8, 1 + packed_main, 1 + packed_win)
+    dq_ref, d_refs = outs[0], outs[1:]
+    q = q_ref[...].astype(jnp.float32)  # [Hp, D]
+    do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
+    scale = q.shape[-1] ** -0.5
+
+    def step(source, j, kv, valid, dq):
+        dkv, ddq = _entry_grads(q, do, lse, delta, kv, valid, scale)
+        d_refs[source][j] = dkv
+        return dq + ddq
+
+    dq_ref[...] = _tpu_walk((main_ids, win_ids), (main_ids_v, win_ids_v), (main, win), (steps_k, steps_w),
+                            (block_k, block_w), step, jnp.zeros(q.shape, jnp.float32))
+
+
+def _gpu_bwd_call(q, do, lse, delta, main, main_scale, main_idx, window, window_scale, window_idx, *, target, bh,
+                  kb, wb, num_warps):
+    """Grid `(B, S, Hp / bh)` → dq, and d kv per id `[B, S, entries, D]` summed over the head blocks."""
+    b, s, hp, d = q.shape
+
+    def whole_row(x):
+        return pl.BlockSpec((None, *x.shape[1:]), lambda b_, s_, h_: (b_, 0, 0))
+
+    def ids_spec(x):
+        return pl.BlockSpec((None, None, x.shape[-1]), lambda b_, s_, h_: (b_, s_, 0))
+
+    def heads(width):
+        return pl.BlockSpec((None, None, bh, width), lambda b_, s_, h_: (b_, s_, h_, 0))
+
+    def per_entry(x):  # one slab per head block
+        return pl.BlockSpec((None, None, None, x.shape[-1], d), lambda b_, s_, h_: (h_, b_, s_, 0, 0))
+
+    packed = [x for x in (main_scale,) if x is not None], [x for x in (window_scale,) if x is not None]
+    n_hb = hp // bh
+    dq, dmain, dwin = pl.pallas_call(
+        functools.partial(_bwd_kernel, packed_main=main_scale is not None, packed_win=window_scale is not None,
+                          block_k=kb, block_w=wb),
+        grid=(b, s, n_hb),
+        in_specs=[heads(d), heads(d), heads(1), heads(1), whole_row(main), *map(whole_row, packed[0]),
+                  ids_spec(main_idx), whole_row(window), *map(whole_row, packed[1]), ids_spec(window_idx)],
+        out_specs=(heads(d), per_entry(main_idx), per_entry(window_idx)),
+        out_shape=(jax.ShapeDtypeStruct((b, s, hp, d), jnp.float32),
+                   jax.ShapeDtypeStruct((n_hb, *main_idx.shape, d), jnp.float32),
+                   jax.ShapeDtypeStruct((n_hb, *window_idx.shape, d), jnp.float32)),
+        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 3),
+        name="csa2_sparse_attention_bwd",
+    )(q, do, lse, delta, main, *packed[0], main_idx, window, *packed[1], window_idx)
+    return dq, jnp.sum(dmain, axis=0), jnp.sum(dwin, axis=0)
+
+
+def _tpu_bwd_call(q, do, lse, delta, main, main_scale, main_idx, window, window_scale, window_idx, *, target, kb,
+                  wb):
+    """Grid `(B, S)`, all heads per program, rows by DMA as in the forward → dq, d kv per id `[B, S, entries, D]`."""
+    b, s, hp, d = q.shape
+    (main_smem, main_vmem), (main_smem_spec, main_vmem_spec) = _tpu_ids(main_idx, kb, 1)
+    (win_smem, win_vmem), (win_smem_spec, win_vmem_spec) = _tpu_ids(window_idx, wb, 1)
+    main_src = [x for x in (main, main_scale) if x is not None]
+    win_src = [x for x in (window, window_scale) if x is not None]
+    heads = lambda width: pl.BlockSpec((None, None, hp, width), lambda b_, s_: (b_, s_, 0, 0))  # noqa: E731
+    per_entry = lambda v, block: pl.BlockSpec((None, v.shape[1], block, d),  # noqa: E731
+                                              lambda b_, s_: (b_ * s + s_, 0, 0, 0))
+    dq, dmain, dwin = pl.pallas_call(
+        functools.partial(_tpu_bwd_kernel, packed_main=main_scale is not None, packed_win=window_scale is not None,
+                          steps_k=main_vmem.shape[1], steps_w=win_vmem.shape[1], block_k=kb, block_w=wb),
+        grid=(b, s),
+        in_specs=[main_smem_spec, win_smem_spec, main_vmem_spec, win_vmem_spec, heads(d), heads(d), heads(1),
+                  heads(1)] + [pl.BlockSpec(memory_space=pl.ANY)] * (len(main_src) + len(win_src)),
+        out_specs=(heads(d), per_entry(main_vmem, kb), per_entry(win_vmem, wb)),
+        out_shape=(jax.ShapeDtypeStruct((b, s, hp, d), jnp.float32),
+                   jax.ShapeDtypeStruct((*main_vmem.shape, d), jnp.float32),
+                   jax.ShapeDtypeStruct((*win_vmem.shape, d), jnp.float32)),
+        scratch_shapes=row_dma.scratch(kb, *main_src) + row_dma.scratch(wb, *win_src),
+        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, 0, 2),
+        name="csa2_sparse_attention_bwd_tpu",
+    )(main_smem, win_smem, main_vmem, win_vmem, q, do, lse, delta, *main_src, *win_src)
+    return dq, dmain.reshape(*main_idx.shape, d), dwin.reshape(*window_idx.shape, d)
 
 
 @functools.partial(jax.jit, static_argnames=("target", "block_h", "block_k", "block_w", "num_warps"))
@@ -334,51 +440,33 @@ def _sparse_attention_bwd(q, sink, main: Stored, main_idx, window: Stored, windo
     main_bits, main_scale, main_idx = _nonempty(*main.bits(), main_idx.astype(jnp.int32))
     win_bits, win_scale, win_idx = _nonempty(*window.bits(), window_idx.astype(jnp.int32))
     k, w = main_idx.shape[-1], win_idx.shape[-1]
-    bh = (block_h or h) if target == "interpret" else max(16, _common.next_pow2(block_h or 16))
+    tpu = _common.mosaic(target)
+    if tpu:
+        bh = _common.round_up(h, 8)
+    elif target == "interpret":
+        bh = block_h or h
+    else:
+        bh = max(16, _common.next_pow2(block_h or 16))
     hp = _common.round_up(h, bh)
-    least = _common.min_block(target)
+    least = 8 if tpu else _common.min_block(target)
     kb = max(least, min(block_k, _common.next_pow2(k)))
     wb = max(least, min(block_w, _common.next_pow2(w)))
-    kp, wp = _common.round_up(k, kb), _common.round_up(w, wb)
-    main_idx, win_idx = _common.pad_axis(main_idx, 2, kp, -1), _common.pad_axis(win_idx, 2, wp, -1)
+    main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, kb), -1)
+    win_idx = _common.pad_axis(win_idx, 2, _common.round_up(w, wb), -1)
     do = do.astype(jnp.float32)
     delta = jnp.sum(do * out, axis=-1, keepdims=True)  # [B, S, H, 1]
     # Padded heads: q = dO = 0, lse = +inf, so their p and every gradient they touch are 0.
-    q_p, do_p = (_common.pad_axis(x, 2, hp, 0) for x in (q, do))
-    lse_p, delta_p = _common.pad_axis(lse, 2, hp, jnp.inf), _common.pad_axis(delta, 2, hp, 0)
-
-    def whole_row(x):
-        return pl.BlockSpec((None, *x.shape[1:]), lambda b_, s_, h_: (b_, 0, 0))
-
-    def ids_spec(x):
-        return pl.BlockSpec((None, None, x.shape[-1]), lambda b_, s_, h_: (b_, s_, 0))
-
-    def heads(width):
-        return pl.BlockSpec((None, None, bh, width), lambda b_, s_, h_: (b_, s_, h_, 0))
-
-    def per_entry(x):  # one slab per head block, summed below
-        return pl.BlockSpec((None, None, None, x.shape[-1], d), lambda b_, s_, h_: (h_, b_, s_, 0, 0))
-
-    packed = [x for x in (main_scale,) if x is not None], [x for x in (win_scale,) if x is not None]
-    n_hb = hp // bh
-    dq, dmain, dwin = pl.pallas_call(
-        functools.partial(_bwd_kernel, packed_main=main_scale is not None, packed_win=win_scale is not None,
-                          block_k=kb, block_w=wb),
-        grid=(b, s, n_hb),
-        in_specs=[heads(d), heads(d), heads(1), heads(1), whole_row(main_bits), *map(whole_row, packed[0]),
-                  ids_spec(main_idx), whole_row(win_bits), *map(whole_row, packed[1]), ids_spec(win_idx)],
-        out_specs=(heads(d), per_entry(main_idx), per_entry(win_idx)),
-        out_shape=(jax.ShapeDtypeStruct((b, s, hp, d), jnp.float32),
-                   jax.ShapeDtypeStruct((n_hb, b, s, kp, d), jnp.float32),
-                   jax.ShapeDtypeStruct((n_hb, b, s, wp, d), jnp.float32)),
-        interpret=_common.interpret_arg(target), compiler_params=_common.compiler_params(target, num_warps, 3),
-        name="csa2_sparse_attention_bwd",
-    )(q_p, do_p, lse_p, delta_p, main_bits, *packed[0], main_idx, win_bits, *packed[1], win_idx)
+    operands = (_common.pad_axis(q, 2, hp, 0), _common.pad_axis(do, 2, hp, 0), _common.pad_axis(lse, 2, hp, jnp.inf),
+                _common.pad_axis(delta, 2, hp, 0), main_bits, main_scale, main_idx, win_bits, win_scale, win_idx)
+    if tpu:
+        dq, dmain, dwin = _tpu_bwd_call(*operands, target=target, kb=kb, wb=wb)
+    else:
+        dq, dmain, dwin = _gpu_bwd_call(*operands, target=target, bh=bh, kb=kb, wb=wb, num_warps=num_warps)
 
     def scatter(d_entries, idx, rows):  # Σ over the (row, id) pairs that read each buffer row
         keep = (idx >= 0) & (idx < rows)
         batch = jnp.arange(b)[:, None, None]
-        grad = jnp.where(keep[..., None], jnp.sum(d_entries, axis=0), 0.0)
+        grad = jnp.where(keep[..., None], d_entries, 0.0)
         return jnp.zeros((b, rows, d), jnp.float32).at[batch, jnp.where(keep, idx, rows)].add(grad, mode="drop")
 
     dsink = -jnp.sum(jnp.exp(sink.astype(jnp.float32)[:, None] - lse) * delta, axis=(0, 1))[:, 0]
@@ -411,8 +499,6 @@ def _differentiable_fwd(q, sink, main, main_idx, window, window_idx, opts):
 def _differentiable_bwd(opts, res, do):
     q, sink, main, main_idx, window, window_idx, out, lse = res
     opts = dict(opts)
-    if _common.mosaic(opts["target"]):  # no TPU form of the backward kernel yet: the reference's gradient
-        return jax.vjp(reference.sparse_attention, *res[:6])[1](do)
     dq, dsink, dmain, dwin = _sparse_attention_bwd(
         *res, do, target=opts["target"], block_h=opts["block_h"], block_k=opts["block_k"], block_w=opts["block_w"],
         num_warps=opts["num_warps"])

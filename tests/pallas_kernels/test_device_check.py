@@ -12,12 +12,12 @@ def test_dry_run_checks_every_op_and_runs_the_bench(capsys):
     assert device_check.main(["--dry-run"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     parity = [line for line in lines if line.get("check") == "parity"]
-    ops = ("sparse_attention", "indexer_scores", "indexer_scores_gathered", "block_max")
+    ops = ("sparse_attention", "indexer_scores", "indexer_scores_gathered", "block_max", "sparse_attention_grad")
     assert sorted((line["op"], line["case"]) for line in parity) == sorted((op, f"S={s}") for op in ops for s in (1, 4))
     assert all(line["ok"] and line["same_masks"] for line in parity), parity
     kinds = [line["bench"] for line in lines if "bench" in line]
     assert kinds == ["decode_group", "topk", "decode_group_pallas", "kernel", "kernel"], kinds
-    assert lines[-1] == {"check": "summary", "parity_cases": 8, "failed": []}
+    assert lines[-1] == {"check": "summary", "parity_cases": 10, "failed": []}
 
 
 def test_a_wrong_value_or_mask_fails_the_comparison():

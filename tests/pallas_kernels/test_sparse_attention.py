@@ -234,16 +234,33 @@ def test_backward_kernel_is_the_reference_gradient(case, packed, kwargs):
                 np.testing.assert_allclose(gl, wl, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def test_backward_kernel_lowers_through_triton():
-    """The backward kernel → Triton IR at V4.1 dims on the float (QAT) buffers training uses."""
+def test_tpu_backward_kernel_is_the_reference_gradient():
+    """The TPU form of the backward (rows by DMA, as in the forward) under the TPU interpreter."""
+    for case, packed in (("chunk", dict(packed_main=False, packed_win=False)),
+                         ("decode", dict(packed_main=True, packed_win=False))):
+        args, _ = attention_case(6, **ATTENTION_CASES[case], **packed)
+        opts = (("target", "tpu_interpret"), ("block_h", None), ("block_k", 8), ("block_w", 8), ("num_splits", None),
+                ("num_warps", 4))
+        r = jnp.asarray(np.random.default_rng(7).standard_normal(args[0].shape), jnp.float32)
+        want = _grads(reference.sparse_attention, args, r)
+        got = _grads(lambda *a: pk_sparse._differentiable(*a, opts), args, r)
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            if w.dtype != jax.dtypes.float0:
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=case)
+
+
+@pytest.mark.parametrize("target,platform,marker", [("triton", "cuda", "__gpu$xla.gpu.triton"),
+                                                    ("mosaic", "tpu", "csa2_sparse_attention_bwd_tpu")])
+def test_backward_kernel_lowers(target, platform, marker):
+    """The backward kernel → Triton IR / Mosaic at V4.1 dims on the float (QAT) buffers training uses."""
     sd = jax.ShapeDtypeStruct
     b, s, h, d, n, m, k, win = 1, 4, 64, 512, 1024, 136, 512, 128
     f = sd((b, s, h, d), jnp.float32)
     t = pk_sparse._sparse_attention_bwd.trace(f, sd((h,), jnp.float32), Stored(sd((b, n, d), jnp.float32), None, MAIN),
                                               sd((b, s, k), jnp.int32), Stored(sd((b, m, d), jnp.float32), None, WINDOW),
                                               sd((b, s, win), jnp.int32), f, sd((b, s, h, 1), jnp.float32), f,
-                                              target="triton", block_h=16, block_k=32, block_w=32, num_warps=4)
-    assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
+                                              target=target, block_h=16, block_k=32, block_w=32, num_warps=4)
+    assert marker in t.lower(lowering_platforms=(platform,)).as_text()
 
 
 # --- dispatch, checks, lowering -----------------------------------------------------------------
