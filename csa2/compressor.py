@@ -27,7 +27,6 @@ from csa2 import cache
 from csa2.config import ModelConfig
 from csa2.norm import rms_norm
 from csa2.params import normal, ones
-from csa2.quant import INDEX, MAIN
 from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import CompressorTail, SourceKV, tail_slots
 

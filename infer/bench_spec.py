@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"\n| batch | method | tokens/s | vs plain | mean accepted | acceptance per position |")
+    print("\n| batch | method | tokens/s | vs plain | mean accepted | acceptance per position |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']} | {r['speedup']}× | {r.get('mean_accept', '')} "

@@ -28,7 +28,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from csa2.config import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID
+from csa2.config import BYTE_VOCAB_SIZE, PAD_ID
 from csa2.tokenizer import encode
 
 VALID_EVERY = 10  # document i (distinct topic texts, sorted by key) is validation iff i % VALID_EVERY == 0
