@@ -60,8 +60,9 @@ def compiler_params(target: str, num_warps: int, grid_rank: int, num_stages: int
 
 
 def min_block(target: str) -> int:
-    """Smallest dot operand dim: Triton's tensor-core dots need M, N, K ≥ 16; elsewhere 1."""
-    return 16 if target == "triton" else 1
+    """Smallest block of rows: Triton's tensor-core dots need M, N, K ≥ 16; Mosaic a whole sublane tile (8);
+    elsewhere 1."""
+    return 16 if target == "triton" else 8 if mosaic(target) else 1
 
 
 def next_pow2(n: int) -> int:

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common, row_dma
 from pallas_kernels.formats import INDEX, decode_entries
@@ -124,8 +123,7 @@ def _indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, target, block_
     b, s, hi, di = q.shape
     p = ids.shape[-1]
     ikey, ikey_scale = ikey.bits()
-    least = 8 if _common.mosaic(target) else _common.min_block(target)
-    bp = max(least, min(block_p, _common.next_pow2(max(p, 1))))
+    bp = max(_common.min_block(target), min(block_p, _common.next_pow2(max(p, 1))))
     pp = _common.round_up(max(p, 1), bp)
     ids = _common.pad_axis(ids.astype(jnp.int32), 2, pp, -1)
     keys = [x for x in (ikey, ikey_scale) if x is not None]
@@ -175,23 +173,21 @@ def _gathered_tpu_kernel(ids_ref, ids_v_ref, q_ref, w_ref, vis_ref, *refs, packe
 def _gathered_tpu_call(q, w, keys, ids, visible, *, target, bp):
     """Grid `(B, S)`: each program scores its row's whole pool, ids in SMEM (addresses) and VMEM (masks)."""
     b, s, hi, di = q.shape
-    steps = ids.shape[-1] // bp
-    flat = ids.reshape(b * s, steps, bp)
-    program = lambda b_, s_: (b_ * s + s_, 0, 0)  # noqa: E731
+    (ids_smem, ids_vmem), (smem_spec, vmem_spec) = row_dma.ids_blocks(ids, bp)
+    steps = ids_vmem.shape[1]
     out = pl.pallas_call(
         functools.partial(_gathered_tpu_kernel, packed=len(keys) > 1, steps=steps, block_p=bp),
         grid=(b, s),
-        in_specs=[pl.BlockSpec((None, 1, steps * bp), program, memory_space=pltpu.SMEM),
-                  pl.BlockSpec((None, steps, bp), program),
+        in_specs=[smem_spec, vmem_spec,
                   pl.BlockSpec((None, None, hi, di), lambda b_, s_: (b_, s_, 0, 0)),
                   pl.BlockSpec((None, None, hi, 1), lambda b_, s_: (b_, s_, 0, 0)),
                   pl.BlockSpec((None, None, 1, 1), lambda b_, s_: (b_, s_, 0, 0))]
                  + [pl.BlockSpec(memory_space=pl.ANY)] * len(keys),
-        out_specs=pl.BlockSpec((None, steps, bp), program),
-        out_shape=jax.ShapeDtypeStruct((b * s, steps, bp), jnp.float32),
+        out_specs=vmem_spec,
+        out_shape=jax.ShapeDtypeStruct(ids_vmem.shape, jnp.float32),
         scratch_shapes=row_dma.scratch(bp, *keys), interpret=_common.interpret_arg(target),
         compiler_params=_common.compiler_params(target, 0, 2), name="csa2_indexer_scores_gathered_tpu",
-    )(flat.reshape(b * s, 1, -1), flat, q, w[..., None], visible.astype(jnp.int32)[..., None, None], *keys)
+    )(ids_smem, ids_vmem, q, w[..., None], visible.astype(jnp.int32)[..., None, None], *keys)
     return out.reshape(b, s, -1)
 
 

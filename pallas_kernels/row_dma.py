@@ -20,6 +20,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 
+def ids_blocks(idx, block: int, splits: int = 1):
+    """Ids `[B, S, splits · steps · block]` as one row per program `(b, s[, split])` of a `(B, S[, splits])` grid:
+    the arrays and their specs, in SMEM `[1, steps · block]` (DMA addresses) and in VMEM `[steps, block]`
+    (validity masks, and the layout of per-block outputs)."""
+    b, s = idx.shape[:2]
+    flat = idx.reshape(b * s * splits, -1, block)
+    program = lambda b_, s_, p_=0: ((b_ * s + s_) * splits + p_, 0, 0)  # noqa: E731
+    return ([flat.reshape(b * s * splits, 1, -1), flat],
+            [pl.BlockSpec((None, 1, flat.shape[1] * block), program, memory_space=pltpu.SMEM),
+             pl.BlockSpec((None, flat.shape[1], block), program)])
+
+
 def scratch(block: int, *sources) -> list:
     """VMEM slots `[2, block, width]` for each source array `[B, rows, width]`, and one pair of DMA semaphores each."""
     return [pltpu.VMEM((2, block, x.shape[-1]), x.dtype) for x in sources] + [

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common, row_dma
 from pallas_kernels.formats import MAIN, WINDOW, decode_entries
@@ -140,6 +139,22 @@ def _tpu_walk(ids, ids_v, sources, steps, blocks, step, carry):
     return carry
 
 
+def _head_block(target: str, h: int, block_h: int | None) -> int:
+    """Heads per program: all of them in the interpreter and on TPU (padded to a whole sublane tile there); on
+    GPU `block_h`, a power of two ≥ 16 (Triton dot M ≥ 16)."""
+    if _common.mosaic(target):
+        return _common.round_up(h, 8)
+    if target == "interpret":
+        return block_h or h
+    return max(16, _common.next_pow2(block_h or 16))
+
+
+def _entry_block(target: str, n: int, block: int, splits: int) -> int:
+    """Entries per online-softmax step (and per DMA block): a power of two, no larger than one split's share of
+    `n` entries, at least the target's smallest block."""
+    return max(_common.min_block(target), min(block, _common.next_pow2(-(-n // splits))))
+
+
 def _nonempty(data, scale, idx):
     """A source with no ids gets one row of −1 ids over a one-row dummy buffer (SWA-only layers)."""
     if idx.shape[-1] > 0 and data.shape[1] > 0:
@@ -179,17 +194,6 @@ def _gpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_
     )(*operands)
 
 
-def _tpu_ids(idx, block, splits):
-    """Ids `[B, S, splits · steps · block]` as one row per program `(b, s, split)` of a `(B, S, splits)` grid:
-    in SMEM `[1, steps · block]` (DMA addresses) and in VMEM `[steps, block]` (validity masks)."""
-    b, s = idx.shape[:2]
-    flat = idx.reshape(b * s * splits, -1, block)
-    program = lambda b_, s_, p_=0: ((b_ * s + s_) * splits + p_, 0, 0)  # noqa: E731
-    return ([flat.reshape(b * s * splits, 1, -1), flat],
-            [pl.BlockSpec((None, 1, flat.shape[1] * block), program, memory_space=pltpu.SMEM),
-             pl.BlockSpec((None, flat.shape[1], block), program)])
-
-
 def _tpu_refs(refs, lead: int, n_main: int, n_win: int):
     """Split a TPU kernel's refs: `lead` operands, the main and window HBM sources, the outputs, and the
     scratch (VMEM slots, then DMA semaphores, per source)."""
@@ -207,8 +211,8 @@ def _tpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_
     ids arrive twice: in SMEM (DMA addresses) and in VMEM as `[steps, block]` (validity masks)."""
     b, s, hp, d = q.shape
 
-    (main_smem, main_vmem), (main_smem_spec, main_vmem_spec) = _tpu_ids(main_idx, kb, splits)
-    (win_smem, win_vmem), (win_smem_spec, win_vmem_spec) = _tpu_ids(window_idx, wb, splits)
+    (main_smem, main_vmem), (main_smem_spec, main_vmem_spec) = row_dma.ids_blocks(main_idx, kb, splits)
+    (win_smem, win_vmem), (win_smem_spec, win_vmem_spec) = row_dma.ids_blocks(window_idx, wb, splits)
     main_src = [x for x in (main, main_scale) if x is not None]
     win_src = [x for x in (window, window_scale) if x is not None]
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -250,15 +254,7 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
     window, window_scale, window_idx = _nonempty(*window.bits(), window_idx.astype(jnp.int32))
     k, w = main_idx.shape[-1], window_idx.shape[-1]
     tpu = _common.mosaic(target)
-
-    # Heads per program: all of them in the interpreters and on TPU (padded to whole sublane tiles there); on
-    # GPU `block_h`, a power of two ≥ 16 (Triton dot M ≥ 16).
-    if tpu:
-        bh = _common.round_up(h, 8)
-    elif target == "interpret":
-        bh = block_h or h
-    else:
-        bh = max(16, _common.next_pow2(block_h or 16))
+    bh = _head_block(target, h, block_h)
     hp = _common.round_up(h, bh)
     if num_splits is None:  # decode: split the entries so the cores have programs to share
         if tpu:  # two TensorCores (megacore) share the parallel grid axes: a lone row splits in two
@@ -267,10 +263,7 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
             num_splits = max(1, min(-(-k // min(block_k, _common.next_pow2(k))), 128 // (b * s * (hp // bh))))
         else:
             num_splits = 1
-    # Entries per online-softmax step: a power of two, no larger than one split's share.
-    least = 8 if tpu else _common.min_block(target)
-    kb = max(least, min(block_k, _common.next_pow2(-(-k // num_splits))))
-    wb = max(least, min(block_w, _common.next_pow2(-(-w // num_splits))))
+    kb, wb = _entry_block(target, k, block_k, num_splits), _entry_block(target, w, block_w, num_splits)
     main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, num_splits * kb), -1)
     window_idx = _common.pad_axis(window_idx, 2, _common.round_up(w, num_splits * wb), -1)
     q = _common.pad_axis(q, 2, hp, 0)
@@ -407,8 +400,8 @@ def _tpu_bwd_call(q, do, lse, delta, main, main_scale, main_idx, window, window_
                   wb):
     """Grid `(B, S)`, all heads per program, rows by DMA as in the forward → dq, d kv per id `[B, S, entries, D]`."""
     b, s, hp, d = q.shape
-    (main_smem, main_vmem), (main_smem_spec, main_vmem_spec) = _tpu_ids(main_idx, kb, 1)
-    (win_smem, win_vmem), (win_smem_spec, win_vmem_spec) = _tpu_ids(window_idx, wb, 1)
+    (main_smem, main_vmem), (main_smem_spec, main_vmem_spec) = row_dma.ids_blocks(main_idx, kb, 1)
+    (win_smem, win_vmem), (win_smem_spec, win_vmem_spec) = row_dma.ids_blocks(window_idx, wb, 1)
     main_src = [x for x in (main, main_scale) if x is not None]
     win_src = [x for x in (window, window_scale) if x is not None]
     heads = lambda width: pl.BlockSpec((None, None, hp, width), lambda b_, s_: (b_, s_, 0, 0))  # noqa: E731
@@ -440,17 +433,9 @@ def _sparse_attention_bwd(q, sink, main: Stored, main_idx, window: Stored, windo
     main_bits, main_scale, main_idx = _nonempty(*main.bits(), main_idx.astype(jnp.int32))
     win_bits, win_scale, win_idx = _nonempty(*window.bits(), window_idx.astype(jnp.int32))
     k, w = main_idx.shape[-1], win_idx.shape[-1]
-    tpu = _common.mosaic(target)
-    if tpu:
-        bh = _common.round_up(h, 8)
-    elif target == "interpret":
-        bh = block_h or h
-    else:
-        bh = max(16, _common.next_pow2(block_h or 16))
+    bh = _head_block(target, h, block_h)
     hp = _common.round_up(h, bh)
-    least = 8 if tpu else _common.min_block(target)
-    kb = max(least, min(block_k, _common.next_pow2(k)))
-    wb = max(least, min(block_w, _common.next_pow2(w)))
+    kb, wb = _entry_block(target, k, block_k, 1), _entry_block(target, w, block_w, 1)
     main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, kb), -1)
     win_idx = _common.pad_axis(win_idx, 2, _common.round_up(w, wb), -1)
     do = do.astype(jnp.float32)
@@ -458,7 +443,7 @@ def _sparse_attention_bwd(q, sink, main: Stored, main_idx, window: Stored, windo
     # Padded heads: q = dO = 0, lse = +inf, so their p and every gradient they touch are 0.
     operands = (_common.pad_axis(q, 2, hp, 0), _common.pad_axis(do, 2, hp, 0), _common.pad_axis(lse, 2, hp, jnp.inf),
                 _common.pad_axis(delta, 2, hp, 0), main_bits, main_scale, main_idx, win_bits, win_scale, win_idx)
-    if tpu:
+    if _common.mosaic(target):
         dq, dmain, dwin = _tpu_bwd_call(*operands, target=target, kb=kb, wb=wb)
     else:
         dq, dmain, dwin = _gpu_bwd_call(*operands, target=target, bh=bh, kb=kb, wb=wb, num_warps=num_warps)

@@ -81,18 +81,6 @@ def test_tpu_form_matches_oracle(packed, block_p):
     np.testing.assert_array_equal(got, reference.indexer_scores_gathered(q, w, ikey, ids, visible))
 
 
-def test_tpu_form_lowers_through_mosaic():
-    """Pallas → Mosaic at real V4.1 dims (Hi 64, Di 128, a 1024-id pool), lowered for TPU on this CPU host."""
-    sd = jax.ShapeDtypeStruct
-    b, s, n = 2, 4, 4096
-    ikey = Stored(sd((b, n, 64), jnp.uint8), sd((b, n, 4), jnp.float8_e8m0fnu), INDEX)
-    t = pk_indexer._indexer_scores_gathered.trace(sd((b, s, 64, 128), jnp.float32), sd((b, s, 64), jnp.float32),
-                                                  ikey, sd((b, s, 1024), jnp.int32), sd((b, s), jnp.int32),
-                                                  target="mosaic", block_p=256, num_warps=4)
-    text = t.lower(lowering_platforms=("tpu",)).as_text()
-    assert text.count("tpu_custom_call") == 1 and "csa2_indexer_scores_gathered_tpu" in text
-
-
 # --- gradient ---------------------------------------------------------------------------------------
 
 def test_pallas_gradient_is_the_reference_gradient():
@@ -121,12 +109,21 @@ def test_bad_arguments_raise():
         pk_indexer.indexer_scores_gathered(q, w, ikey, ids, visible, block_p=3)
 
 
-def test_kernel_lowers_through_triton():
-    """Pallas → Triton IR at real V4.1 dims, lowered for CUDA on this CPU host (no PTX compile)."""
+@pytest.mark.parametrize("target,platform,shape,block_p", [
+    ("triton", "cuda", dict(b=1, s=1, hi=32, pool=2048), 128),
+    ("mosaic", "tpu", dict(b=2, s=4, hi=64, pool=1024), 256),  # the TPU form: SMEM ids, row DMAs
+])
+def test_kernel_lowers(target, platform, shape, block_p):
+    """Pallas → Triton IR (CUDA) / Mosaic (TPU) at real V4.1 dims (Di 128), lowered on this CPU host (no
+    PTX or TPU compile)."""
     sd = jax.ShapeDtypeStruct
-    b, s, n = 1, 1, 1024
+    b, s, hi, n = shape["b"], shape["s"], shape["hi"], 4096
     ikey = Stored(sd((b, n, 64), jnp.uint8), sd((b, n, 4), jnp.float8_e8m0fnu), INDEX)
-    t = pk_indexer._indexer_scores_gathered.trace(sd((b, s, 32, 128), jnp.float32), sd((b, s, 32), jnp.float32),
-                                                  ikey, sd((b, s, 2048), jnp.int32), sd((b, s), jnp.int32),
-                                                  target="triton", block_p=128, num_warps=4)
-    assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
+    t = pk_indexer._indexer_scores_gathered.trace(sd((b, s, hi, 128), jnp.float32), sd((b, s, hi), jnp.float32),
+                                                  ikey, sd((b, s, shape["pool"]), jnp.int32), sd((b, s), jnp.int32),
+                                                  target=target, block_p=block_p, num_warps=4)
+    text = t.lower(lowering_platforms=(platform,)).as_text()
+    if target == "triton":
+        assert "__gpu$xla.gpu.triton" in text
+    else:
+        assert text.count("tpu_custom_call") == 1 and "csa2_indexer_scores_gathered_tpu" in text
