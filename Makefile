@@ -16,8 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[plot,test,notebooks,parity]"
 	touch $(STAMP)
 
+# Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one worker so its fixtures and
+# compiled programs are built once; XLA compiles on one thread, so on CI's 2 cores two workers cut the wall time.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset v41_flash --context 1048576

@@ -3,9 +3,11 @@ preset's `init_params` compiles once per test run, and one persistent compilatio
 
 The cache: `fresh_compile_caches` drops every compiled program after each module, and the notebook tests run
 notebooks in fresh kernels (which inherit these settings through the environment); a program compiled again
-in either place loads from the run's XLA compilation cache instead of compiling. It lives in a temporary
-directory removed at the end of the run, so every run starts cold, as CI does; set `JAX_COMPILATION_CACHE_DIR`
-to keep one across runs instead.
+in either place loads from the run's XLA compilation cache instead of compiling. Under `pytest -n N`
+(pytest-xdist, what `make test` runs) the controller creates the cache before it starts its workers, so they
+inherit it and share it. It lives in a temporary directory that the process which created it removes when
+the run ends, so every run starts cold, as CI does; set `JAX_COMPILATION_CACHE_DIR` to keep one across runs
+instead.
 """
 
 import gc
@@ -52,8 +54,7 @@ def fresh_compile_caches():
     gc.collect()
 
 
-@pytest.fixture(autouse=True, scope="session")
-def compilation_cache():
-    yield os.environ["JAX_COMPILATION_CACHE_DIR"]
+def pytest_unconfigure(config):
+    """The process that created the run's cache (the xdist controller, or the only process) removes it."""
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
