@@ -95,6 +95,8 @@ def update(X: Array, f_out: Array, post: Array, comb: Array) -> Array:
     _check_streams(X, "comb", comb, 2)
     if f_out.shape[-1:] != X.shape[-1:]:
         raise ValueError(f"f_out.shape={f_out.shape}: expected [..., {X.shape[-1]}] (the d of X.shape={X.shape})")
+    # A dot, not element-wise multiply-adds: those run faster on XLA:CPU but are fused (and handed to YNNPACK)
+    # differently at different batch sizes, so a row's bits would depend on its batch (README, Benchmarks).
     with jax.named_scope("fp32_mhc"):
         mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(jnp.float32), X.astype(jnp.float32), precision=_HIGHEST)
     out = post.astype(jnp.float32)[..., None] * f_out.astype(jnp.float32)[..., None, :] + mixed
