@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one worker so its fixtures and
-# compiled programs are built once; XLA compiles on one thread, so on CI's 2 cores two workers cut the wall time.
+# compiled programs are built once. XLA compiles on one thread (a serial test file keeps ~1.25 of 2 cores busy),
+# so two workers use CI's second core.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
