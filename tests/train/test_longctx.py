@@ -47,6 +47,7 @@ def test_contradictory_flags_are_refused(argv, message, capsys):
 
 
 @pytest.mark.parametrize("field, value", [("stages", ()), ("stages", ((10, 2, 0),)), ("corpus_share", 1.5),
+                                          ("repeat_share", 0.9), ("initializer_range", 0.0),
                                           ("eval_depths", (0.5, 2.0)), ("digits", 0), ("lr", 0.0)])
 def test_recipe_fields_are_checked(field, value):
     with pytest.raises(ValueError, match=re.escape(f"{field}={value}")):
@@ -54,7 +55,8 @@ def test_recipe_fields_are_checked(field, value):
 
 
 def test_mixed_batches_follow_the_stages_and_weight_the_answer():
-    recipe = dataclasses.replace(FAST, stages=((2, 8, 128), (3, 2, 256)), corpus_share=0.5, multi_needle=0.5)
+    recipe = dataclasses.replace(FAST, stages=((2, 8, 128), (3, 2, 256)), repeat_share=0.3, corpus_share=0.3,
+                                 multi_needle=0.5)
     assert recipe.steps == 5 and recipe.train_config().steps == 5
     batches = longctx.mixed_batches(recipe, load_corpus().train)
     stream = batches(0)
@@ -68,13 +70,20 @@ def test_mixed_batches_follow_the_stages_and_weight_the_answer():
             if np.all(w == 1):  # a corpus window
                 kinds.add("corpus")
                 continue
+            if w[0] == 0:  # an induction row: the first period weighs 0, every later target copies P back
+                kinds.add("repeat")
+                period = int(np.argmax(w > 0))
+                assert 8 <= period <= length // 2 and x[0] == BOS_ID
+                np.testing.assert_array_equal(w[period:], 1)
+                np.testing.assert_array_equal(y[period:], x[1:length - period + 1])
+                continue
             np.testing.assert_array_equal(w[:-recipe.digits], 1)
             np.testing.assert_array_equal(w[-recipe.digits:], recipe.answer_weight)
             assert x[0] == BOS_ID and all(ord("0") <= t <= ord("9") for t in y[-recipe.digits:])
             prompt = bytes(x[1:-recipe.digits + 1].tolist())
             kinds.add("passkey" if prompt.endswith(b"The pass key is ") else "multi-needle")
             assert bytes(y[-recipe.digits:].tolist()) in prompt  # the key is in the haystack
-    assert kinds == {"corpus", "passkey", "multi-needle"}
+    assert kinds == {"repeat", "corpus", "passkey", "multi-needle"}
     for a, b in zip(next(batches(4)), (inputs, targets, weights)):  # batch k depends on (seed, k) alone
         np.testing.assert_array_equal(a, b)
 
@@ -92,7 +101,7 @@ def _leaves(tree):
 
 def test_checkpoint_is_built_once_then_restored(built, monkeypatch):
     out, (cfg, params, report) = built
-    assert cfg == preset(FAST.preset)
+    assert cfg == FAST.config() == dataclasses.replace(preset(FAST.preset), initializer_range=FAST.initializer_range)
     assert json.loads((out / longctx.RECIPE).read_text()) == json.loads(json.dumps(dataclasses.asdict(FAST)))
     assert report == json.loads((out / longctx.ACCURACY).read_text())
     assert set(report["passkey"]) == {str(n) for n in FAST.eval_lengths}
