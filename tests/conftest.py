@@ -1,5 +1,12 @@
 """Shared test setup: float32 numerics at full matmul precision (DESIGN §6), session-wide parameters so each
-preset's `init_params` compiles once per test run, and one persistent compilation cache per run.
+preset's `init_params` compiles once per test run, one persistent compilation cache per run, and XLA:CPU
+code generation at -O0.
+
+-O0 (`--xla_backend_optimization_level=0`, unless XLA_FLAGS already sets a level): the suite is bound by compile
+time (small shapes, many programs), and LLVM's optimizations are most of it; at -O0 a compile-heavy file runs in
+about two thirds of the time. The HLO and its passes (fusion, layout, buffer assignment) are the same; only the
+machine code is less optimized. Test subprocesses and notebook kernels inherit it through the environment
+(`tests.simulated.cpu_devices_env` keeps it when it adds the device count).
 
 The cache: `fresh_compile_caches` drops every compiled program after each module, and the notebook tests run
 notebooks in fresh kernels (which inherit these settings through the environment); a program compiled again
@@ -18,6 +25,8 @@ import tempfile
 import jax
 import pytest
 
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="csa2-xla-cache-")

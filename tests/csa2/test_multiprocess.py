@@ -2,12 +2,13 @@
 each, on one mesh `data=2 × expert=2`: `data` splits the batch across the processes and `expert` the routed
 experts within each. A sharded train step and prefill + decode equal one device's results."""
 
-import os
 import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from tests.simulated import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +69,7 @@ def test_two_processes_train_and_decode_as_one_device():
     """Loss and prefill + decode logits within 1e-5 of one device; the parameters after two AdamW steps within
     2·lr, at most 0.1% of them past 1e-5 (AdamW turns a gradient within rounding of 0 into a ±lr step, as in
     `test_sharding`)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = cpu_devices_env(2)
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), port], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]

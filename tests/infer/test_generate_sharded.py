@@ -1,11 +1,12 @@
 """The generate loop on a device mesh (`infer.generate.Sharded`), on 8 simulated CPU devices in a subprocess:
 the same tokens as one device, the state split over `data`."""
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from tests.simulated import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_sharded_generate_emits_the_one_device_tokens():
     """Greedy decoding of 8 ragged prompts on mesh 2×2×2 (data, tensor, expert): every new token and count equal."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
