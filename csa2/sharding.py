@@ -39,6 +39,7 @@ expert-parallel. `train.step.Sharded` does the same for the train step.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -81,6 +82,13 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
         raise ValueError(f"mesh shape {dict(zip(MESH_AXES, sizes))} holds {int(np.prod(sizes))} devices but "
                          f"{len(devices)} are given; make the sizes multiply to {len(devices)}")
     return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
+
+
+def simulated_cpu_env(devices: int) -> dict[str, str]:
+    """This process's environment for a fresh one that runs JAX on `devices` simulated CPU devices (the device
+    count is fixed when JAX starts); the other XLA flags set here are kept."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
 
 
 _MOE_AXES = {"experts": "expert", "mlp": "tensor"}  # where the expert-parallel shard_map reads them

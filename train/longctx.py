@@ -44,6 +44,7 @@ import numpy as np
 from csa2.checkpoints import native as ckpt
 from csa2 import model
 from csa2.config import BOS_ID, ModelConfig, preset
+from csa2.tokenizer import encode
 from train.data import load_corpus, multi_needle_example, passkey_example
 from train.loop import train
 from train.step import TrainConfig
@@ -140,7 +141,7 @@ def fast_mode(fast: bool | None = None) -> bool:
     return os.environ.get(FAST_ENV, "") == "1" if fast is None else fast
 
 
-_SYMBOLS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", np.uint8).astype(np.int32)
+_SYMBOLS = encode("abcdefghijklmnopqrstuvwxyz0123456789", bos=False)  # what induction rows repeat
 
 
 def mixed_row(recipe: LongCtxRecipe, corpus: np.ndarray, rng: np.random.Generator,

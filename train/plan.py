@@ -148,8 +148,7 @@ def rerun_with_devices(module: str, argv: list[str] | None, devices: int) -> int
     simulated CPU devices and return its exit code; None when this process has enough (or is the re-run)."""
     if jax.device_count() >= devices or os.environ.get(_ENV):
         return None
-    env = {**os.environ, _ENV: "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+    env = {**sharding.simulated_cpu_env(devices), _ENV: "1"}
     return subprocess.run([sys.executable, "-m", module, *(sys.argv[1:] if argv is None else argv)], env=env).returncode
 
 

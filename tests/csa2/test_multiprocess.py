@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.simulated import cpu_devices_env
+from csa2 import sharding
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_two_processes_train_and_decode_as_one_device():
     """Loss and prefill + decode logits within 1e-5 of one device; the parameters after two AdamW steps within
     2·lr, at most 0.1% of them past 1e-5 (AdamW turns a gradient within rounding of 0 into a ±lr step, as in
     `test_sharding`)."""
-    env = cpu_devices_env(2)
+    env = sharding.simulated_cpu_env(2)
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), port], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]

@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec
 
 from csa2 import sharding
 from csa2.config import PRESETS, preset
-from tests.simulated import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,7 +101,7 @@ EXPERT_PARALLEL = textwrap.dedent("""
 def test_expert_parallel_moe_equals_one_device_with_its_gradients():
     """Under a mesh with an `expert` axis the MoE runs in a shard_map (each device its experts, one psum):
     output, load and every gradient (router, biases, experts, shared expert, input) as on one device."""
-    env = cpu_devices_env(8)
+    env = sharding.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -147,7 +146,7 @@ EIGHT_DEVICES = textwrap.dedent("""
 def test_a_released_checkpoint_loads_straight_into_its_shards_on_8_devices():
     """Three meshes (8×1×1, 2×2×2, 1×2×4; mini's drafter has 4 experts): every parameter comes back with the rules' sharding and the values
     of the single-device load, bit for bit; each device holds only its shard."""
-    env = cpu_devices_env(8)
+    env = sharding.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", EIGHT_DEVICES], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -240,7 +239,7 @@ def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
     the cache's SPEC §8 fake-quant can flip a rare element by one FP4 step (a few 1e-4 in the verify logits, as
     in `test_properties`), and AdamW's second step moves each weight by ~lr·sign(g), so a gradient within
     rounding of 0 can move its weight by up to 2·lr."""
-    env = cpu_devices_env(8)
+    env = sharding.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", ENTRY_POINTS], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -6,7 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.simulated import cpu_devices_env
+from csa2 import sharding
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_sharded_generate_emits_the_one_device_tokens():
     """Greedy decoding of 8 ragged prompts on mesh 2×2×2 (data, tensor, expert): every new token and count equal."""
-    env = cpu_devices_env(8)
+    env = sharding.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

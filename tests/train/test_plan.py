@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.simulated import cpu_devices_env
+from csa2 import sharding
 from train import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def test_the_plan_of_mini_on_8_devices_counts_each_devices_share():
     more than an eighth and less than all); AdamW's two moments at most twice the parameters. The decode step
     takes the parameters it reads and the state, and writes the new state into the donated one; the train step
     takes and donates the whole train state. Both combine partial sums with all-reduces."""
-    env = cpu_devices_env(8)
+    env = sharding.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", PLAN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out.stdout.splitlines()}
