@@ -3,7 +3,8 @@ bounded-replay saving (SPEC §11, DESIGN §8).
 
     python -m infer.bench_model [--config tiny] [--contexts 2048 8192] [--decode-contexts 512 2048]
                                 [--reps 3] [--decode-steps 20] [--decode-fill prefill|length]
-                                [--donation-context 64512] [--donation-batch 16] [--batches 1 8 32] [--quick]
+                                [--donation-context 64512] [--donation-batch 16] [--batches 1 8 32]
+                                [--batch-rounds 6] [--quick]
 
 Prints one JSON line per measurement; every line carries the machine and the config, so a line read
 alone says where it was measured. On a shared CPU absolute times are noisy, so what this script is
@@ -26,7 +27,8 @@ Measurements (cache format fp4):
   waits for the last) and `decode_step.trusted` (shapes only: steps overlap), loops alternated;
 - `batch`: `infer.generate` on random weights, prompt 256 and 64 new tokens (greedy, no EOS), at
   each of `--batches`: new tokens per second after compilation and the ratio to batch 1, end to end
-  and for the decode loop alone (the wall minus that of a one-token `generate`: prefill + first draw);
+  and for the decode loop alone (the wall minus that of a one-token `generate`: prefill + first draw),
+  every program's fastest of `--batch-rounds` interleaved rounds;
 - `prefill_replay`: median bounded and exact prefill seconds at each prompt length (capacity = prompt
   length, batch 1), their ratio, and the work ratio.
 
@@ -294,33 +296,40 @@ def bench_host_loop(rep: Reporter, cfg, params, context: int, batch: int, steps:
 # ---------------------------------------------------------------------------------------------
 # Batched generation throughput
 
-def bench_batch(rep: Reporter, cfg, params, batches: list[int], prompt_len: int, new_tokens: int, seed: int) -> None:
+def bench_batch(rep: Reporter, cfg, params, batches: list[int], prompt_len: int, new_tokens: int, seed: int,
+                rounds: int) -> None:
     """`generate` at each batch size on the same kind of input: tokens/s after compilation and its ratio
     to the first batch, end to end and for the decode loop alone (the wall minus that of a one-token
-    `generate`, which is the prefill and the first draw)."""
+    `generate`, which is the prefill and the first draw).
+
+    Every program is compiled and run once first; then `rounds` rounds run each program once, in turn, and
+    each program's time is its fastest round. Interleaving puts every batch size under the same machine
+    conditions (a shared CPU drifts by tens of percent within minutes), so the ratios compare like with like."""
     rng = np.random.default_rng(seed)
-    rates, decode_rates = {}, {}
-
-    def wall(prompts, n):
-        batch = generate.plan(cfg, prompts, max_new_tokens=n, eos_id=None, seed=seed)
-        t0 = time.perf_counter()
-        compiled = generate.lower(cfg, params, batch).compile()
-        compile_s = time.perf_counter() - t0
-        generate.run(cfg, params, batch, compiled)  # warm-up
-        times = [_timed(lambda: jax.block_until_ready(generate.run(cfg, params, batch, compiled).tokens))[0]
-                 for _ in range(2)]
-        return min(times), compile_s
-
+    programs = {}
     for b in batches:
         prompts = rng.integers(0, min(cfg.vocab_size, 256), size=(b, prompt_len)).astype(np.int32)
-        total, compile_s = wall(prompts, new_tokens)
-        prefill, _ = wall(prompts, 1)
+        for n in (new_tokens, 1):
+            plan = generate.plan(cfg, prompts, max_new_tokens=n, eos_id=None, seed=seed)
+            t0 = time.perf_counter()
+            compiled = generate.lower(cfg, params, plan).compile()
+            compile_s = time.perf_counter() - t0
+            generate.run(cfg, params, plan, compiled)  # warm-up
+            programs[b, n] = (plan, compiled, compile_s)
+    times = {key: [] for key in programs}
+    for _ in range(rounds):
+        for key, (plan, compiled, _) in programs.items():
+            times[key].append(_timed(lambda: jax.block_until_ready(generate.run(cfg, params, plan, compiled).tokens))[0])
+    rates, decode_rates = {}, {}
+    for b in batches:
+        total, prefill = min(times[b, new_tokens]), min(times[b, 1])
         rates[b] = b * new_tokens / total
         decode_rates[b] = b * (new_tokens - 1) / max(total - prefill, 1e-9)
-        rep.emit("batch", batch=b, prompt=prompt_len, new_tokens=new_tokens, compile_s=_r(compile_s, 2),
-                 wall_s=_r(total), prefill_s=_r(prefill), tokens_per_s=_r(rates[b], 1),
-                 decode_tokens_per_s=_r(decode_rates[b], 1), ratio_to_batch=batches[0],
-                 ratio=_r(rates[b] / rates[batches[0]], 3),
+        rep.emit("batch", batch=b, prompt=prompt_len, new_tokens=new_tokens, rounds=rounds,
+                 compile_s=_r(programs[b, new_tokens][2], 2), wall_s=_r(total),
+                 wall_median_s=_r(float(np.median(times[b, new_tokens]))), prefill_s=_r(prefill),
+                 tokens_per_s=_r(rates[b], 1), decode_tokens_per_s=_r(decode_rates[b], 1),
+                 ratio_to_batch=batches[0], ratio=_r(rates[b] / rates[batches[0]], 3),
                  decode_ratio=_r(decode_rates[b] / decode_rates[batches[0]], 3))
         _log(f"batch {b}: {rates[b]:.1f} tokens/s end to end, {decode_rates[b]:.1f} in the decode loop")
 
@@ -432,6 +441,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="rows in the state for the donation comparison (default 16; --quick: 1)")
     ap.add_argument("--batches", type=int, nargs="+", default=None,
                     help="generate batch sizes (default 1 8 32; --quick: 1 8)")
+    ap.add_argument("--batch-rounds", type=int, default=6,
+                    help="interleaved timed rounds of every generate program (each program's fastest counts)")
     ap.add_argument("--skip", choices=("decode", "donation", "host_loop", "batch", "prefill"), action="append",
                     default=[],
                     help="skip a part")
@@ -445,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = args.contexts or ([256, 1024] if args.quick else [2048, 8192])
     decode_contexts = args.decode_contexts or ([128, 512] if args.quick else [512, 2048])
     steps = args.decode_steps or (10 if args.quick else 20)
-    if args.reps < 1 or steps < 1 or args.decode_warmup < 1:
-        print("error: --reps, --decode-steps and --decode-warmup must be ≥ 1", file=sys.stderr)
+    if args.reps < 1 or steps < 1 or args.decode_warmup < 1 or args.batch_rounds < 1:
+        print("error: --reps, --decode-steps, --decode-warmup and --batch-rounds must be ≥ 1", file=sys.stderr)
         return 2
     t_run = time.perf_counter()
     cfg = preset(args.config)
@@ -472,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_host_loop(rep, cfg, params, decode_contexts[0], 8, steps)
     if "batch" not in args.skip:
         bench_batch(rep, cfg, params, args.batches or ([1, 8] if args.quick else [1, 8, 32]), 256,
-                    16 if args.quick else 64, args.seed)
+                    16 if args.quick else 64, args.seed, 2 if args.quick else args.batch_rounds)
     if "prefill" not in args.skip:
         for n in contexts:
             m = n
