@@ -48,7 +48,8 @@ def test_contradictory_flags_are_refused(argv, message, capsys):
 
 @pytest.mark.parametrize("field, value", [("stages", ()), ("stages", ((10, 2, 0),)), ("corpus_share", 1.5),
                                           ("repeat_share", 0.9), ("initializer_range", 0.0),
-                                          ("eval_depths", (0.5, 2.0)), ("digits", 0), ("lr", 0.0)])
+                                          ("eval_depths", (0.5, 2.0)), ("digits", 0), ("lr", 0.0),
+                                          ("index_topk", 0)])
 def test_recipe_fields_are_checked(field, value):
     with pytest.raises(ValueError, match=re.escape(f"{field}={value}")):
         dataclasses.replace(longctx.RECIPE_DEFAULT, **{field: value})
@@ -101,7 +102,8 @@ def _leaves(tree):
 
 def test_checkpoint_is_built_once_then_restored(built, monkeypatch):
     out, (cfg, params, report) = built
-    assert cfg == FAST.config() == dataclasses.replace(preset(FAST.preset), initializer_range=FAST.initializer_range)
+    assert cfg == FAST.config() == dataclasses.replace(preset(FAST.preset), initializer_range=FAST.initializer_range,
+                                                       index_topk=128, candidate_topk_blocks=32)
     assert json.loads((out / longctx.RECIPE).read_text()) == json.loads(json.dumps(dataclasses.asdict(FAST)))
     assert report == json.loads((out / longctx.ACCURACY).read_text())
     assert set(report["passkey"]) == {str(n) for n in FAST.eval_lengths}
