@@ -9,9 +9,9 @@ The model is the `demo` preset with the recipe's read budget: a 32-token sliding
 candidate pool of 32 blocks of 8, so a needle more than a window back is reachable only through the Global
 KV that the compressors write (SPEC §4) and the entries the indexer selects (SPEC §5): retrieval exercises
 CSA2's compressed sparse attention. Its weights start at the recipe's `initializer_range` (0.1, not the
-released 0.02, which is sized for d = 5120). It trains with the SPEC §8 fake-quant numerics (QAT from step 0) and the indexer KL of SPEC §13,
-through the ordinary loop (`train.loop.train`: checkpoints, resume, metrics.jsonl). Its rows mix three
-sources: induction rows (a random segment repeated, so every later token is a copy from one period back),
+released 0.02, which is sized for d = 5120). It trains with the SPEC §8 fake-quant numerics (QAT from step 0)
+and the indexer KL of SPEC §13, through the ordinary loop (`train.loop.train`: checkpoints, resume,
+metrics.jsonl). Its rows mix three sources: induction rows (a random segment repeated, so every later token is a copy from one period back),
 corpus windows, and pass-key or multi-needle examples (`train.data`) that fill their row, whose answer
 digits weigh more in the loss; a curriculum of stages goes from many short rows to a few long ones (one
 compiled shape per stage).
