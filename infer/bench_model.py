@@ -441,8 +441,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="rows in the state for the donation comparison (default 16; --quick: 1)")
     ap.add_argument("--batches", type=int, nargs="+", default=None,
                     help="generate batch sizes (default 1 8 32; --quick: 1 8)")
-    ap.add_argument("--batch-rounds", type=int, default=6,
-                    help="interleaved timed rounds of every generate program (each program's fastest counts)")
+    ap.add_argument("--batch-rounds", type=int, default=None,
+                    help="interleaved timed rounds of every generate program, each program's fastest counting "
+                         "(default 6; --quick: 2)")
     ap.add_argument("--skip", choices=("decode", "donation", "host_loop", "batch", "prefill"), action="append",
                     default=[],
                     help="skip a part")
@@ -456,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = args.contexts or ([256, 1024] if args.quick else [2048, 8192])
     decode_contexts = args.decode_contexts or ([128, 512] if args.quick else [512, 2048])
     steps = args.decode_steps or (10 if args.quick else 20)
-    if args.reps < 1 or steps < 1 or args.decode_warmup < 1 or args.batch_rounds < 1:
+    rounds = args.batch_rounds if args.batch_rounds is not None else (2 if args.quick else 6)
+    if args.reps < 1 or steps < 1 or args.decode_warmup < 1 or rounds < 1:
         print("error: --reps, --decode-steps, --decode-warmup and --batch-rounds must be ≥ 1", file=sys.stderr)
         return 2
     t_run = time.perf_counter()
@@ -483,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_host_loop(rep, cfg, params, decode_contexts[0], 8, steps)
     if "batch" not in args.skip:
         bench_batch(rep, cfg, params, args.batches or ([1, 8] if args.quick else [1, 8, 32]), 256,
-                    16 if args.quick else 64, args.seed, 2 if args.quick else args.batch_rounds)
+                    16 if args.quick else 64, args.seed, rounds)
     if "prefill" not in args.skip:
         for n in contexts:
             m = n
