@@ -54,7 +54,7 @@ def ablation(cfg: ModelConfig, train_tokens: np.ndarray, valid_tokens: np.ndarra
     for i, run in enumerate(RUNS):
         path = pathlib.Path(out) / str(i)
         state = train(cfg, spec.config(run), train_tokens, path, resume=checkpoint.latest_step(path) is not None,
-                      log=lambda _: None)
+                      log=lambda _: None, bar=False)
         table[run] = {numerics: evaluate(cfg, state.params, valid_tokens, qat=numerics == "fp4",
                                          seq_len=spec.seq_len)
                       for numerics in ("float", "fp4")}

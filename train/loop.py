@@ -72,10 +72,11 @@ def plot_losses(records: list[dict], path: pathlib.Path) -> bool:
 
 
 def train(cfg: ModelConfig, tc: TrainConfig, data: np.ndarray | Batches, out: str | pathlib.Path, *,
-          resume: bool = False, log: Callable[[str], None] = print, save_every: int = 0,
+          resume: bool = False, log: Callable[[str], None] = print, bar: bool = True, save_every: int = 0,
           until: int | None = None) -> TrainState:
     """Train up to step `until` (default `tc.steps`) of the `tc` schedule, from the latest checkpoint
-    in `out` when `resume`; then save, write metrics.jsonl and plot the loss curve.
+    in `out` when `resume`; then save, write metrics.jsonl and plot the loss curve. `log` takes each step's
+    metrics as a JSON line; `bar` draws a progress bar on stderr.
 
     `data` is a token stream (random windows of `tc.batch_size × tc.seq_len`, `train.data.batches`) or a
     `Batches` function: `data(start_step)` iterates `(inputs, targets, weights)` from that step on, each
@@ -118,11 +119,13 @@ def train(cfg: ModelConfig, tc: TrainConfig, data: np.ndarray | Batches, out: st
         records.append(record)
         log(json.dumps(record))
         eta = (now - compiled) / done * (last - step - 1) if done else float("nan")
-        progress(step + 1, last, f"loss {metrics['loss']:.3f} bpb {metrics['bpb']:.3f} kl {metrics['index_kl']:.4f} "
-                 f"{rate:,.0f} tok/s", eta)
+        if bar:
+            progress(step + 1, last, f"loss {metrics['loss']:.3f} bpb {metrics['bpb']:.3f} "
+                     f"kl {metrics['index_kl']:.4f} {rate:,.0f} tok/s", eta)
         if save_every and (step + 1) % save_every == 0 and step + 1 < last:
             _save(out, cfg, tc, state)
-    sys.stderr.write("\n")
+    if bar:
+        sys.stderr.write("\n")
     _save(out, cfg, tc, state)
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     if records and not plot_losses(records, out / "loss.png"):

@@ -38,12 +38,14 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
-def test_resume_is_bit_identical(straight, corpus, tmp_path):
-    """train 6 steps == train 3, stop, resume 3 (params, optimizer state, rng)."""
+def test_resume_is_bit_identical(straight, corpus, tmp_path, capsys):
+    """train 6 steps == train 3, stop, resume 3 (params, optimizer state, rng); the progress bar only with `bar`."""
     _, full = straight
+    capsys.readouterr()
     train(CFG, TC, corpus.train, tmp_path, log=lambda _: None, until=3)
-    assert checkpoint.latest_step(tmp_path) == 3
-    resumed = train(CFG, TC, corpus.train, tmp_path, resume=True, log=lambda _: None)
+    assert checkpoint.latest_step(tmp_path) == 3 and "] 3/3 loss" in capsys.readouterr().err
+    resumed = train(CFG, TC, corpus.train, tmp_path, resume=True, log=lambda _: None, bar=False)
+    assert capsys.readouterr().err == ""
     assert int(resumed.step) == int(full.step) == 6
     for a, b in zip(_leaves((full.params, full.opt_state, full.rng)),
                     _leaves((resumed.params, resumed.opt_state, resumed.rng))):
