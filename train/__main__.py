@@ -1,11 +1,12 @@
 """`python -m train --out DIR [--preset P] [--steps N] [--float | --qat-from K] [--resume]`: train on the embedded
 corpus with the SPEC §8 numerics (fake-quant from step 0; `--float` is the float ablation, `--qat-from K` trains in
 float then fine-tunes with QAT from step K). `python -m train --recipe longctx [--out DIR]`: the long-context
-research checkpoint (`train.longctx`; CSA2_FAST=1 for its fast CI variant)."""
+research checkpoint (`train.longctx`; CSA2_FAST=1 for its fast CI variant; `--float` trains it without QAT)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from csa2.config import PRESETS, preset
@@ -18,7 +19,7 @@ RECIPES = ("longctx",)
 _TRAIN_FIELDS = {"steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "warmup": "warmup",
                  "index_loss_weight": "index_loss_weight", "dense_warmup": "dense_warmup_steps",
                  "replay_window": "replay_window", "seed": "seed", "qat_from": "qat_from"}  # flag → TrainConfig field
-_RECIPE_FLAGS = ("out", "quiet")  # the only flags a --recipe run takes: the recipe fixes everything else
+_RECIPE_FLAGS = ("out", "quiet", "float")  # the only flags a --recipe run takes: the recipe fixes everything else
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -66,7 +67,9 @@ def run_recipe(args: argparse.Namespace) -> int:
     if extra:
         raise ValueError(f"--recipe {args.recipe} with {' '.join(extra)}: the recipe sets these itself "
                          "(train.longctx.LongCtxRecipe); drop them, or train without --recipe")
-    _, _, report = longctx.checkpoint(args.out, log=(lambda _: None) if args.quiet else print)
+    recipe = dataclasses.replace(longctx.FAST if longctx.fast_mode() else longctx.RECIPE_DEFAULT,
+                                 qat=not args.float)
+    _, _, report = longctx.checkpoint(args.out, recipe=recipe, log=(lambda _: None) if args.quiet else print)
     print(f"# {report['metric']}\n# pass keys retrieved, by context length (rows) and depth (columns):")
     print(longctx.format_table(report["passkey"]))
     print("# digits right:")

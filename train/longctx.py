@@ -87,6 +87,7 @@ class LongCtxRecipe:
     eval_lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     eval_depths: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
     eval_samples: int = 4  # pass keys per (length, depth) cell
+    qat: bool = True  # train through the SPEC §8 fake-quant boundaries from step 0; False: the float ablation
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -131,12 +132,12 @@ class LongCtxRecipe:
                                            candidate_topk_blocks=self.candidate_topk_blocks)
 
     def train_config(self) -> TrainConfig:
-        """The loop's recipe: QAT from step 0 (SPEC §8), the SPEC §13 indexer KL; the batch shape is the last
-        stage's (the recipe's `mixed_batches` choose each step's)."""
+        """The loop's recipe: QAT from step 0 (SPEC §8; none when not `qat`), the SPEC §13 indexer KL; the batch
+        shape is the last stage's (the recipe's `mixed_batches` choose each step's)."""
         _, rows, length = self.stages[-1]
         return TrainConfig(steps=self.steps, batch_size=rows, seq_len=length, lr=self.lr, warmup=self.warmup,
                            index_loss_weight=self.index_loss_weight, dense_warmup_steps=self.dense_warmup_steps,
-                           qat_from=0, seed=self.seed)
+                           qat_from=0 if self.qat else None, seed=self.seed)
 
 
 RECIPE_DEFAULT = LongCtxRecipe()
@@ -292,13 +293,14 @@ def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = No
 
     A finished run in `path` (its accuracy.json written) is restored without training; otherwise the
     recipe trains there first, resuming a partial run. `fast` (default: CSA2_FAST=1) selects `FAST`
-    and `runs/longctx-fast`; `path` defaults to `runs/longctx`; `recipe` overrides both defaults' recipe.
+    and `runs/longctx-fast`; `path` defaults to `runs/longctx`; `recipe` overrides both defaults' recipe. A
+    recipe trained in float (`qat=False`) defaults to the same path with `-float` appended.
     Processes that ask for the same `path` at once (notebooks, parallel test workers) take turns on a
     lock file beside it, so one trains and the others restore what it wrote.
     """
     fast = fast_mode(fast)
     recipe = recipe or (FAST if fast else RECIPE_DEFAULT)
-    out = pathlib.Path(path or (FAST_DIR if fast else DEFAULT_DIR))
+    out = pathlib.Path(path or (FAST_DIR if fast else DEFAULT_DIR) + ("" if recipe.qat else "-float"))
     out.parent.mkdir(parents=True, exist_ok=True)
     with lock(out):
         _check_recipe(out, recipe)

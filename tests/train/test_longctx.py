@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import pathlib
 import re
 import threading
 
@@ -37,13 +38,34 @@ def test_qat_is_the_default_numerics():
     (["--out", "x", "--float", "--qat-from", "3"], "--float and --qat-from 3: pick one"),
     (["--out", "x", "--steps", "5", "--qat-from", "5"], "TrainConfig.qat_from=5"),
     (["--steps", "5"], "--out is required"),
-    (["--recipe", "longctx", "--steps", "5", "--float"], "--recipe longctx with --steps --float"),
+    (["--recipe", "longctx", "--steps", "5", "--float"], "--recipe longctx with --steps:"),
     (["--recipe", "longctx", "--resume"], "--recipe longctx with --resume"),
 ])
 def test_contradictory_flags_are_refused(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_the_float_recipe_trains_without_qat_into_its_own_directory(monkeypatch, tmp_path, capsys):
+    """`--recipe longctx --float`: the recipe with `qat=False` (no fake-quant at any step), cached in
+    `runs/longctx-float` beside the QAT checkpoint."""
+    assert FAST.train_config().qat_from == 0
+    assert dataclasses.replace(FAST, qat=False).train_config().qat_from is None
+    seen = {}
+    report = {"metric": "m", "passkey": {"256": {"0.5": 1.0}}, "digits": {"256": {"0.5": 1.0}}, "mean": 1.0}
+
+    def run(recipe, out, log):
+        seen.update(recipe=recipe, out=out)
+        return None, None, report
+
+    monkeypatch.setattr(longctx, "run", run)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(longctx.FAST_ENV, raising=False)
+    assert cli.main(["--recipe", "longctx", "--float", "--quiet"]) == 0
+    assert seen == {"recipe": dataclasses.replace(longctx.RECIPE_DEFAULT, qat=False),
+                    "out": pathlib.Path("runs/longctx-float")}
+    assert "passkey_accuracy: 1.0000" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("field, value", [("stages", ()), ("stages", ((10, 2, 0),)), ("corpus_share", 1.5),
