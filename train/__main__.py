@@ -67,8 +67,7 @@ def run_recipe(args: argparse.Namespace) -> int:
     if extra:
         raise ValueError(f"--recipe {args.recipe} with {' '.join(extra)}: the recipe sets these itself "
                          "(train.longctx.LongCtxRecipe); drop them, or train without --recipe")
-    recipe = dataclasses.replace(longctx.FAST if longctx.fast_mode() else longctx.RECIPE_DEFAULT,
-                                 qat=not args.float)
+    recipe = dataclasses.replace(longctx.default_recipe(), qat=not args.float)
     _, _, report = longctx.checkpoint(args.out, recipe=recipe, log=(lambda _: None) if args.quiet else print)
     print(f"# {report['metric']}\n# pass keys retrieved, by context length (rows) and depth (columns):")
     print(longctx.format_table(report["passkey"]))

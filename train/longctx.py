@@ -9,12 +9,12 @@ The model is the `demo` preset with the recipe's read budget: a 32-token sliding
 candidate pool of 32 blocks of 8, so a needle more than a window back is reachable only through the Global
 KV that the compressors write (SPEC §4) and the entries the indexer selects (SPEC §5): retrieval exercises
 CSA2's compressed sparse attention. Its weights start at the recipe's `initializer_range` (0.1, not the
-released 0.02, which is sized for d = 5120). It trains with the SPEC §8 fake-quant numerics (QAT from step 0)
-and the indexer KL of SPEC §13, through the ordinary loop (`train.loop.train`: checkpoints, resume,
-metrics.jsonl). Its rows mix three sources: induction rows (a random segment repeated, so every later token is a copy from one period back),
-corpus windows, and pass-key or multi-needle examples (`train.data`) that fill their row, whose answer
-digits weigh more in the loss; a curriculum of stages goes from many short rows to a few long ones (one
-compiled shape per stage).
+released 0.02, which is sized for d = 5120). It trains with the SPEC §8 fake-quant numerics (QAT from step 0;
+`qat=False` is the float ablation, cached in `runs/longctx-float`) and the indexer KL of SPEC §13, through the
+ordinary loop (`train.loop.train`: checkpoints, resume, metrics.jsonl). Its rows mix three sources: induction
+rows (a random segment repeated, so every later token is a copy from one period back), corpus windows, and
+pass-key or multi-needle examples (`train.data`) that fill their row, whose answer digits weigh more in the
+loss; a curriculum of stages goes from many short rows to a few long ones (one compiled shape per stage).
 
 At the end it scores pass keys by context length and depth, teacher-forced (argmax at every answer
 position, given the prompt and the earlier digits) with the SPEC §8 numerics inference stores: a key
@@ -143,6 +143,11 @@ class LongCtxRecipe:
 RECIPE_DEFAULT = LongCtxRecipe()
 FAST = LongCtxRecipe(stages=((3, 4, 128),), warmup=1, eval_lengths=(200,), eval_depths=(0.1, 0.5, 0.9),
                      eval_samples=1)
+
+
+def default_recipe(fast: bool | None = None) -> LongCtxRecipe:
+    """`FAST` in fast mode (see `fast_mode`), else `RECIPE_DEFAULT`."""
+    return FAST if fast_mode(fast) else RECIPE_DEFAULT
 
 
 def fast_mode(fast: bool | None = None) -> bool:
@@ -299,7 +304,7 @@ def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = No
     lock file beside it, so one trains and the others restore what it wrote.
     """
     fast = fast_mode(fast)
-    recipe = recipe or (FAST if fast else RECIPE_DEFAULT)
+    recipe = recipe or default_recipe(fast)
     out = pathlib.Path(path or (FAST_DIR if fast else DEFAULT_DIR) + ("" if recipe.qat else "-float"))
     out.parent.mkdir(parents=True, exist_ok=True)
     with lock(out):
