@@ -55,13 +55,14 @@ def test_the_plan_of_mini_on_8_devices_counts_each_devices_share():
 
 
 def test_the_command_prints_its_table():
-    """The command runs itself again on as many simulated devices as its mesh names."""
-    out = subprocess.run([sys.executable, "-m", "train.plan", "--preset", "mini", "--mesh", "data=2,expert=2",
-                          "--context", "128", "--batch", "2", "--seq-len", "16"], cwd=ROOT, env=ENV,
+    """The command runs itself again on as many simulated devices as its mesh names. (The plan of the test above:
+    its programs load from the run's compilation cache.)"""
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--preset", "mini", "--mesh", "data=2,tensor=2,expert=2",
+                          "--context", "128", "--batch", "2", "--seq-len", "32"], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    assert text.startswith("plan: mini (Engram tables: float) on mesh data=2 × tensor=1 × expert=2 (4 devices)"), text
+    assert text.startswith("plan: mini (Engram tables: float) on mesh data=2 × tensor=2 × expert=2 (8 devices)"), text
     for label in ("parameters (held)", "optimizer state (held)", "request state (held)", "temporaries", "peak",
                   "all-reduce"):
         assert label in text, label
