@@ -149,9 +149,18 @@ def _head_block(target: str, h: int, block_h: int | None) -> int:
     return max(16, _common.next_pow2(block_h or 16))
 
 
-def _entry_block(target: str, n: int, block: int, splits: int) -> int:
+# Shared memory a Triton program may use: under A100's 164 KiB and H100/H200's 227 KiB per block.
+_TRITON_SMEM_BYTES = 160 * 1024
+
+
+def _entry_block(target: str, n: int, block: int, splits: int, d: int, head_rows: int) -> int:
     """Entries per online-softmax step (and per DMA block): a power of two, no larger than one split's share of
-    `n` entries, at least the target's smallest block."""
+    `n` entries, at least the target's smallest block. On GPU also small enough for shared memory: the
+    `head_rows` float32 [block_h, D] operands plus the decoded block [E, D] twice (the dots' K and V operands;
+    at D = 512 and block_h = 16 a block of 64 asks 288 KiB, which Triton refuses on an H200)."""
+    if target == "triton":
+        fits = (_TRITON_SMEM_BYTES // (4 * d) - head_rows) // 2
+        block = min(block, 1 << max(0, fits.bit_length() - 1))
     return max(_common.min_block(target), min(block, _common.next_pow2(-(-n // splits))))
 
 
@@ -263,7 +272,7 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
             num_splits = max(1, min(-(-k // min(block_k, _common.next_pow2(k))), 128 // (b * s * (hp // bh))))
         else:
             num_splits = 1
-    kb, wb = _entry_block(target, k, block_k, num_splits), _entry_block(target, w, block_w, num_splits)
+    kb, wb = (_entry_block(target, n, blk, num_splits, d, bh) for n, blk in ((k, block_k), (w, block_w)))
     main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, num_splits * kb), -1)
     window_idx = _common.pad_axis(window_idx, 2, _common.round_up(w, num_splits * wb), -1)
     q = _common.pad_axis(q, 2, hp, 0)
@@ -435,7 +444,7 @@ def _sparse_attention_bwd(q, sink, main: Stored, main_idx, window: Stored, windo
     k, w = main_idx.shape[-1], win_idx.shape[-1]
     bh = _head_block(target, h, block_h)
     hp = _common.round_up(h, bh)
-    kb, wb = _entry_block(target, k, block_k, 1), _entry_block(target, w, block_w, 1)
+    kb, wb = (_entry_block(target, n, blk, 1, d, 2 * bh) for n, blk in ((k, block_k), (w, block_w)))  # q, dO
     main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, kb), -1)
     win_idx = _common.pad_axis(win_idx, 2, _common.round_up(w, wb), -1)
     do = do.astype(jnp.float32)

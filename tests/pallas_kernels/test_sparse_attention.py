@@ -296,3 +296,16 @@ def test_kernel_lowers_through_triton():
                                           target="triton", block_h=16, block_k=64, block_w=32, num_splits=4,
                                           num_warps=4)
     assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_triton_entry_blocks_fit_shared_memory():
+    """On an H200 the default block of 64 entries at D = 512 asked Triton for 288 KiB of shared memory (refused:
+    227 KiB). The GPU block now keeps the float32 head rows and the decoded block (twice) under 160 KiB, so it
+    also fits an A100; other targets keep the block asked for."""
+    assert pk_sparse._entry_block("triton", 512, 64, 1, 512, 16) == 32  # forward: q rows
+    assert pk_sparse._entry_block("triton", 512, 64, 1, 512, 32) == 16  # backward: q and dO rows
+    assert pk_sparse._entry_block("triton", 512, 64, 1, 128, 16) == 64  # a narrower latent keeps its block
+    assert pk_sparse._entry_block("interpret", 512, 64, 1, 512, 64) == 64
+    for d, rows in ((512, 16), (512, 32), (256, 64)):
+        blk = pk_sparse._entry_block("triton", 4096, 128, 1, d, rows)
+        assert 4 * d * (rows + 2 * blk) <= 160 * 1024
