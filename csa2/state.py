@@ -22,6 +22,19 @@ Every leaf has the batch axis first, so `fork` is one tree map. Same-ratio KV so
 (`layout.kv_stacks`): `global_kv[k]` holds every source of stack k, `[B, G, N, ·]`, and the SWA
 rings of all layers are one buffer `[B, L, slots, ·]`.
 
+What is bitwise, and what is equal to rounding. A row's outputs and state never depend on the other rows of
+its batch, but "the same" means two things:
+- **bitwise**, at fixed shapes: in one program (the same batch size, chunk length and capacity), changing another
+  row's tokens or length changes no bit of a row's logits or state; `fork` is a gather, so a forked row holds its
+  source row's bits; resume, checkpoints, storage formats and gathers are bit-exact.
+- **to float rounding**, across shapes: the same rows run at a different batch size, chunking or length are a
+  different program, and XLA:CPU promises no bitwise equality between those (vector widths, tiling, summation
+  order and library kernels follow the shape and the host's ISA). With the `"float"` numerics they agree to a few
+  ulps; with the SPEC §8 numerics those ulps can flip a rare FP4/FP8 element at a rounding midpoint, moving later
+  logits by ~1e-3, and a greedy token can flip where two logits tie to that precision.
+The tests state each promise where it applies (`tests/csa2/test_model.py`, `tests/csa2/test_properties.py`), and
+the cross-shape ones run again under another instruction set (`tests/test_isa.py`).
+
 Cache formats: `"fp4"` stores the SPEC §8 formats (FP4/MXFP4 payloads packed two per byte with
 e4m3 / ue8m0 scales, FP8 rings with ue8m0 scales); `"float"` stores float32 values (QAT and the
 exact reference) with `scale=None`. Either way a buffer is one `Stored` value.

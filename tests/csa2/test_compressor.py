@@ -146,6 +146,13 @@ def _assert_same(got, want):
         np.testing.assert_allclose(_raw(b), _raw(a), rtol=1e-6, atol=3e-6)
 
 
+def _assert_same_up_to_flips(got, want):
+    """FP4 entries of two programs of different shapes (chunkings, stacks): their unquantized values differ in the
+    last ulps, and re-rounded to FP4 a rare one lands a step apart (at a rounding midpoint, or in a block whose
+    scale moves); anything else is equal to float rounding."""
+    assert np.mean(np.abs(np.asarray(got) - np.asarray(want)) > 3e-6) < 0.005
+
+
 def _entries(gkv):
     """Decoded (Main KV, Indexer K) of every entry of the source [B, N, ·], float32 numpy."""
     return np.asarray(_decode(gkv.kv))[:, 0], np.asarray(_decode(gkv.ikey))[:, 0]
@@ -213,6 +220,7 @@ def test_init_params_shapes():
 # ------------------------------------------------------------------------------- streaming
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_chunk_invariance(ratio):
     """One chunk, token by token and random chunks write the same entries and tails (float format).
@@ -235,7 +243,7 @@ def test_chunk_invariance(ratio):
             np.testing.assert_array_equal(gq.ikey.payload, _fake_quant(gf.ikey.payload, quant.INDEX))
             _assert_same(tq, tf)
             for got, want in zip(_entries(gq), _entries(runs["one", True][0])):
-                assert np.mean(np.abs(got - want) > 3e-6) < 0.005
+                _assert_same_up_to_flips(got, want)
 
 
 @pytest.mark.parametrize("ratio", [1, 2])
@@ -321,6 +329,7 @@ def test_bad_shapes_raise():
         Compressor(CFG, 0, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("cache_format", ["float", "fp4"])
 def test_writes_only_its_slot_of_a_stack(cache_format):
     """Source 1 of tiny's 3-source ratio-2 stack gets exactly the entries a lone source gets; sources 0 and 2
@@ -339,11 +348,16 @@ def test_writes_only_its_slot_of_a_stack(cache_format):
     args = (tail, jnp.asarray(buf), jnp.zeros(3, jnp.int32), jnp.asarray(LENGTHS, jnp.int32))
     lone, lone_tail = _compress_stack(CFG, params, 2, _buffers(2, 3, cache_format)[0], 0, *args, quantize=True)
     got, got_tail = _compress_stack(CFG, params, 2, other, jnp.int32(1), *args, quantize=True)
-    for g, o, one in zip(jax.tree.leaves(got), jax.tree.leaves(other), jax.tree.leaves(lone), strict=True):
+    for g, o in zip(jax.tree.leaves(got), jax.tree.leaves(other), strict=True):
         np.testing.assert_array_equal(_raw(g[:, 0]), _raw(o[:, 0]))
         np.testing.assert_array_equal(_raw(g[:, 2]), _raw(o[:, 2]))
-        for b, length in enumerate(LENGTHS):  # written entries; the rest keep source 1's old bytes
-            n = length // 2
-            np.testing.assert_array_equal(_raw(g[b, 1, :n]), _raw(one[b, 0, :n]))
-            np.testing.assert_array_equal(_raw(g[b, 1, n:]), _raw(o[b, 1, n:]))
+        for b, length in enumerate(LENGTHS):  # beyond the written entries source 1 keeps its old bytes
+            np.testing.assert_array_equal(_raw(g[b, 1, length // 2:]), _raw(o[b, 1, length // 2:]))
+    # The written entries are the lone source's, computed by a program of other shapes (a 3-source stack, a traced
+    # slot): equal to float rounding and the FP4 flips it can cause.
+    for part in ("kv", "ikey"):
+        mine, alone = np.asarray(_decode(getattr(got, part)))[:, 1], np.asarray(_decode(getattr(lone, part)))[:, 0]
+        written = [(b, slice(0, length // 2)) for b, length in enumerate(LENGTHS)]
+        _assert_same_up_to_flips(np.concatenate([mine[w] for w in written]),
+                                 np.concatenate([alone[w] for w in written]))
     _assert_same(got_tail, lone_tail)

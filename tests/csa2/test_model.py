@@ -28,6 +28,7 @@ def _greedy_decode(cfg, params, first, steps, fmt="float"):
     return jnp.stack(toks, 1), jnp.stack(outs, 1), state
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("name", ["mini", "tiny"])
 def test_greedy_decode_equals_teacher_forced_forward(name, mini_params, tiny_params):
     """Exact mode, f32: step-by-step logits == forward on the same tokens, across ring wrap (21 slots)
@@ -65,6 +66,7 @@ def _decode_all(params, state, tokens):
     return jnp.stack(outs, 1), state
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("prompt_len", [18, 17])
 def test_commit_equals_sequential_decode(mini_params, prompt_len):
     """commit(verify(state, [R, d1..dγ]), n+1) continues exactly like decoding R, d1..dn one by one.
@@ -93,6 +95,7 @@ def test_commit_equals_sequential_decode(mini_params, prompt_len):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cross_shape
 def test_commit_with_different_accept_lengths_per_row(mini_params):
     state0 = init_state(MINI, 2, CAP, "fp4")
     _, state, _ = model.prefill(MINI, mini_params, state0, _tokens(4, (2, 9)), replay=EXACT)
@@ -110,18 +113,63 @@ def test_commit_with_different_accept_lengths_per_row(mini_params):
 
 # ---------------------------------------------------------------- fork
 
-def test_fork_rows_continue_independently(mini_params):
-    prompts = _tokens(7, (2, 11))
-    state0 = init_state(MINI, 2, CAP, "fp4")
-    _, state, _ = model.prefill(MINI, mini_params, state0, prompts, replay=EXACT)
-    forked = model.fork(state, jnp.array([1, 0, 1]))
-    _, separate, _ = model.prefill(MINI, mini_params, init_state(MINI, 3, CAP, "fp4"), prompts[jnp.array([1, 0, 1])],
-                                   replay=EXACT)
-    cont = _tokens(8, (3, 3))  # rows 0 and 2 fork from the same prompt but continue differently
-    a, _ = _decode_all(mini_params, forked, cont)
-    b, _ = _decode_all(mini_params, separate, cont)
-    np.testing.assert_array_equal(a, b)
+def _bits(tree):
+    """Every leaf of a pytree as raw bytes, so float leaves compare bit for bit (NaN payloads included)."""
+    return [np.asarray(x).view(np.uint8) for x in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.mark.cross_shape
+def test_fork_is_a_gather_and_rows_are_independent_at_fixed_shapes(mini_params):
+    """The bitwise half of the batch promise (`csa2.state`, "What is bitwise"): at fixed shapes a row's bits
+    never depend on the other rows, and `fork` is a gather, so forked rows hold their source rows' bits."""
+    prompts = _tokens(7, (3, 11))
+    n_valid = jnp.array([11, 9, 11], jnp.int32)
+    state0 = init_state(MINI, 3, CAP, "fp4")
+    logits, state, _ = model.prefill(MINI, mini_params, keep(state0), prompts, n_valid, replay=EXACT)
+    rows = jnp.array([1, 0, 1])
+    forked = model.fork(state, rows)
+    for got, src in zip(_bits(forked), _bits(jax.tree.map(lambda x: np.asarray(x)[np.asarray(rows)], state)),
+                        strict=True):
+        np.testing.assert_array_equal(got, src)
+    # Another row's tokens and length change; rows 0 and 2 keep every bit of their logits and state.
+    other = prompts.at[1].set(_tokens(11, (11,)))
+    o_logits, o_state, _ = model.prefill(MINI, mini_params, keep(state0), other, n_valid.at[1].set(4),
+                                         replay=EXACT)
+    assert not np.allclose(o_logits[1], logits[1])
+    mine = jnp.array([0, 2])
+    np.testing.assert_array_equal(np.asarray(o_logits)[mine].view(np.uint32), np.asarray(logits)[mine].view(np.uint32))
+    for a, b in zip(_bits(model.fork(o_state, mine)), _bits(model.fork(state, mine)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Decoding continues the same way: rows 0 and 2 fork from one source but get different tokens; changing
+    # row 1's continuation changes no bit of theirs.
+    cont = _tokens(8, (3, 3))
+    a, _ = _decode_all(mini_params, keep(forked), cont)
+    b, _ = _decode_all(mini_params, keep(forked), cont.at[1].set(_tokens(12, (3,))))
     assert not np.allclose(a[0], a[2])
+    np.testing.assert_array_equal(np.asarray(a)[mine].view(np.uint32), np.asarray(b)[mine].view(np.uint32))
+
+
+@pytest.mark.cross_shape
+@pytest.mark.parametrize("fmt", ["float", "fp4"])
+def test_forked_rows_continue_like_separately_prefilled_rows(mini_params, fmt):
+    """The cross-shape half: 2 rows prefilled then forked to 3 continue like 3 rows prefilled separately. The
+    two prefills are programs of different batch sizes, which XLA:CPU does not promise to round alike (vector
+    widths, tiling and fusion choices follow the shape and the host's ISA), so they agree to float rounding;
+    with SPEC §8 storage those last-ulp differences can flip a rare FP4/FP8 element at a rounding midpoint,
+    moving later logits by ~1e-3 while a wrong row or position moves them by ~1e-1."""
+    prompts = _tokens(7, (2, 11))
+    rows = jnp.array([1, 0, 1])
+    _, state, _ = model.prefill(MINI, mini_params, init_state(MINI, 2, CAP, fmt), prompts, replay=EXACT)
+    _, separate, _ = model.prefill(MINI, mini_params, init_state(MINI, 3, CAP, fmt), prompts[rows], replay=EXACT)
+    cont = _tokens(8, (3, 3))  # rows 0 and 2 fork from the same prompt but continue differently
+    a, _ = _decode_all(mini_params, model.fork(state, rows), cont)
+    b, _ = _decode_all(mini_params, separate, cont)
+    assert not np.allclose(a[0], a[2], atol=1e-2)
+    if fmt == "float":
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2)
+        assert np.mean(np.abs(np.asarray(a) - np.asarray(b)) <= 1e-4) >= 0.5
 
 
 # ---------------------------------------------------------------- replay (SPEC §11)

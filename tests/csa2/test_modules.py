@@ -87,8 +87,10 @@ def test_update_router_bias_moves_each_layers_bias_by_its_load(mini_params):
     before, after = arrays(mini_params), arrays(new)
     for layer in range(MINI.num_hidden_layers):
         old_bias = layer_params(MINI, before, layer)["moe"]["bias"]
-        np.testing.assert_array_equal(layer_params(MINI, after, layer)["moe"]["bias"],
-                                      bias_update(old_bias, load[layer], 0.25))
+        # One layer's [E] load against the stacked [count, run, E] update: the means reduce arrays of other
+        # shapes, equal to float rounding (the sign rule only flips for a load within rounding of the mean).
+        np.testing.assert_allclose(layer_params(MINI, after, layer)["moe"]["bias"],
+                                   bias_update(old_bias, load[layer], 0.25), rtol=0, atol=1e-6)
     moved = {path for (path, a), (_, b) in zip(_variables(mini_params), _variables(new))
              if not np.array_equal(a.get_value(), b.get_value())}
     assert moved and all(path[-2:] == ("moe", "bias") for path in moved)

@@ -9,6 +9,7 @@ entry points once and the examples only change values.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from csa2 import model
@@ -21,6 +22,7 @@ MINI = preset("mini")
 B, CAP, S, N = 2, 64, 8, 21  # prompt of N tokens per row, fed in chunks of S columns
 GAMMA = MINI.max_draft
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
+pytestmark = pytest.mark.cross_shape  # every property here compares programs of different chunk shapes
 
 
 def _continue(params, state, steps):
