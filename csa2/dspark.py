@@ -6,19 +6,21 @@ window of that context (the stage's `wkv`, `kv_norm`, plain RoPE θ, FP8 like th
 `State.draft`. Every model call writes the windows for the rows whose features it computed, keyed by
 position like the rest of the state, so a rejected draft is scratch and commit is still "set length".
 
-Block: tokens `[anchor, noise × (γ−1)]` at positions `L + 1 … L + γ`, the anchor being the freshly
-sampled token R at position L = `length` (not yet in the cache). Each slot attends to the context
-window `[L − W, L − 1]` (never below the replay floor, whose rows have no features) and to every slot
-of its own block (bidirectional), with the sink in the denominator; slot k's output gives the base
-logits `U_k` of the token at position `L + 1 + k`. A stage is one single-pass mHC block: SWA attention,
-then MoE with the draft expert counts.
+Block: tokens `[C, noise × (γ−1)]` at positions `L … L + γ − 1`: C is the freshly sampled token, rotated
+at its own position L = `length` (not yet in the cache), so slot 0 sits one step after the last context
+entry — the references' `anchor_pos` is L − 1 and their block starts at `anchor_pos + 1`, the same
+positions, on which a released drafter was trained. Each slot attends to the context window
+`[L − W, L − 1]` (never below the replay floor, whose rows have no features) and to every slot of its
+own block (bidirectional), with the sink in the denominator; slot k's output gives the base logits
+`U_k` of the token at position `L + 1 + k`. A stage is one single-pass mHC block: SWA attention, then
+MoE with the draft expert counts.
 
 Heads: Markov `logits_k = U_k + W2·W1[x_{k−1}]` (x_{−1} = anchor), sampled left to right; confidence
 `c_k = σ(w·[h_k ; W1[x_{k−1}]])` with h_k the collapsed pre-norm hidden state.
 
-The context is strictly before the anchor, in training as at inference: the anchor is sampled, not
-yet run through the target, so its own features do not exist when the drafter runs. (NeMo
-Automodel's training mask also shows each block its anchor's features.)
+The context is strictly before C, in training as at inference: C is sampled, not yet run through the
+target, so its own features do not exist when the drafter runs. (NeMo Automodel's "anchor" is the last
+processed position L − 1, so its training mask shows each block the same window.)
 """
 
 from __future__ import annotations
@@ -196,7 +198,7 @@ def propose(cfg: ModelConfig, params: dict, state, anchor: Array, key: Array, te
     chex.assert_shape(anchor, (state.batch,))
     block = jnp.concatenate([anchor[:, None].astype(jnp.int32),
                              jnp.full((b, gamma - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
-    positions = state.length[:, None] + 1 + jnp.arange(gamma, dtype=jnp.int32)[None]
+    positions = state.length[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None]
     rows = window_rows(state.length, state.floor, cfg.sliding_window, state.draft.rows)
     ctx_idx = jnp.broadcast_to(rows[:, None], (b, gamma, rows.shape[1]))
     contexts = [_stage(state.draft, i) for i in range(cfg.num_nextn_predict_layers)]
@@ -223,7 +225,7 @@ def anchored(cfg: ModelConfig, params: dict, features: Array, tokens: Array, anc
     """The drafter on blocks at `anchors [B, A]` of teacher-forced sequences `tokens [B, S]` with their target
     features `features [B, S, n_t, d]` (`csa2.model.forward(..., features=True)`).
 
-    Block a holds `[tokens[a], noise × (γ−1)]` at positions a+1 … a+γ and sees the context `[a − W, a − 1]`
+    Block a holds `[tokens[a], noise × (γ−1)]` at positions a … a+γ−1 and sees the context `[a − W, a − 1]`
     and its own block only; its Markov inputs are the true previous tokens `tokens[a + k]`. Returns the draft
     logits [B, A, γ, V] (slot k predicts `tokens[a + 1 + k]`) and the confidences [B, A, γ]. Slots past the end
     of the sequence compute on clipped inputs: the caller masks them.
@@ -241,7 +243,7 @@ def anchored(cfg: ModelConfig, params: dict, features: Array, tokens: Array, anc
     anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, A]
     block = jnp.concatenate([anchor_tok[..., None], jnp.full((b, a_n, gamma - 1), cfg.dspark_noise_token_id,
                                                              jnp.int32)], axis=-1).reshape(b, a_n * gamma)
-    positions = (anchors[..., None] + 1 + offsets).reshape(b, a_n * gamma)
+    positions = (anchors[..., None] + offsets).reshape(b, a_n * gamma)
     pos = anchors[..., None] - cfg.sliding_window + jnp.arange(cfg.sliding_window, dtype=jnp.int32)  # [B, A, W]
     ctx_idx = jnp.repeat(jnp.where(pos >= 0, pos, -1), gamma, axis=1)  # [B, A·γ, W]
     h = hidden(cfg, p, params["embed"], block, positions, contexts, ctx_idx, quantize)

@@ -63,6 +63,54 @@ def test_inference_form_equals_training_form(mini_params, prefilled):
     np.testing.assert_allclose(conf[:, 0], prop.confidence, rtol=1e-5, atol=1e-5)
 
 
+def _spy_positions(monkeypatch, shift=0):
+    """Record the block positions every `dspark.hidden` call receives (moved by `shift` before it runs)."""
+    seen, real = [], dspark.hidden
+
+    def spy(cfg, p, embed, block, positions, *rest, **kw):
+        seen.append(np.asarray(positions))
+        return real(cfg, p, embed, block, positions + shift, *rest, **kw)
+
+    monkeypatch.setattr(dspark, "hidden", spy)
+    return seen
+
+
+def test_the_block_starts_at_length_one_step_after_the_context(mini_params, prefilled, monkeypatch):
+    """SPEC §12: C is rotated at its own position L = `length`, slot k at L + k, and the context is
+    `[L − W, L − 1]`; in training a block anchored at a sits at a … a + γ − 1 (the references' anchor_pos + 1)."""
+    _, state, anchor = prefilled
+    seen = _spy_positions(monkeypatch)
+    dspark.propose(MINI, arrays(mini_params), state, anchor, jax.random.PRNGKey(0), jnp.float32(0), jnp.float32(1))
+    np.testing.assert_array_equal(seen[0], np.asarray(state.length)[:, None] + np.arange(GAMMA))
+    rows = dspark.window_rows(state.length, state.floor, MINI.sliding_window, state.draft.rows)
+    context = N - MINI.sliding_window + np.arange(MINI.sliding_window)  # [L − W, L − 1]
+    np.testing.assert_array_equal(rows, np.broadcast_to(context % state.draft.rows, (B, MINI.sliding_window)))
+    anchors = jnp.asarray([[6, 15]] * B, jnp.int32)
+    seq = tokens(5, (B, 24))
+    feats = jax.random.normal(jax.random.PRNGKey(6), (B, 24, len(MINI.dspark_target_layer_ids), MINI.hidden_size))
+    dspark.anchored(MINI, arrays(mini_params), feats, seq, anchors, quantize=False)
+    np.testing.assert_array_equal(seen[1], (np.asarray(anchors)[..., None] + np.arange(GAMMA)).reshape(B, -1))
+
+
+def test_draft_logits_see_positions_relative_to_the_context(mini_params, monkeypatch):
+    """Float storage, training form: moving the sequence and every anchor by 7 positions leaves the logits and
+    confidences (to float rounding: RoPE is relative); moving the block one step against its context does not."""
+    p, s, shift = arrays(mini_params), 40, 7
+    anchors = jnp.asarray([[MINI.sliding_window, 30]] * B, jnp.int32)  # whole windows inside the sequence
+    seq = tokens(13, (B, s))
+    feats = jax.random.normal(jax.random.PRNGKey(14), (B, s, len(MINI.dspark_target_layer_ids), MINI.hidden_size))
+    base, base_c = dspark.anchored(MINI, p, feats, seq, anchors, quantize=False)
+    pad_t = tokens(15, (B, shift))
+    pad_f = jax.random.normal(jax.random.PRNGKey(16), (B, shift, *feats.shape[2:]))
+    moved, moved_c = dspark.anchored(MINI, p, jnp.concatenate([pad_f, feats], 1), jnp.concatenate([pad_t, seq], 1),
+                                     anchors + shift, quantize=False)
+    np.testing.assert_allclose(moved, base, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(moved_c, base_c, rtol=1e-5, atol=1e-5)
+    _spy_positions(monkeypatch, shift=1)
+    off_by_one, _ = dspark.anchored(MINI, p, feats, seq, anchors, quantize=False)
+    assert np.max(np.abs(np.asarray(off_by_one) - np.asarray(base))) > 1e-2
+
+
 def test_a_block_sees_only_its_context_and_its_own_block(mini_params):
     """Training form, two anchors per row: changing the features at or after an anchor, or the tokens of the other
     block, leaves a block's logits unchanged; changing the feature just before the anchor changes them."""
