@@ -3,8 +3,11 @@
     python -m train.dspark --backbone DIR [--out DIR --steps N --anchors A --batch B --seq-len S --lr LR]
 
 Each step takes a batch of windows `tokens [B, S]` of the embedded corpus and `A` anchors per row, drawn
-uniformly from `[0, S − 2]` with the step's RNG (`fold_in(rng, step)`), so the batch and the anchors at
-step k are pure functions of (seed, k) and a resumed run is the run that never stopped.
+without replacement from the row's valid anchor positions with the step's RNG (`fold_in(rng, step)`), so the
+batch and the anchors at step k are pure functions of (seed, k) and a resumed run is the run that never
+stopped. An anchor a is valid when the token it predicts first, `tokens[a + 1]`, is in the window and in a's
+document (the corpus starts each document with BOS, `train.data`); a row with fewer valid positions than A
+also draws invalid ones, whose slots the mask removes.
 
 - **Target.** The backbone runs teacher-forced (`model.forward(..., features=True)`) and its logits and
   DSpark features pass through `jax.lax.stop_gradient`; the loss is differentiated with respect to the
@@ -14,7 +17,9 @@ step k are pure functions of (seed, k) and a resumed run is the run that never s
 - **Blocks.** `csa2.dspark.anchored`: block a holds `[tokens[a], noise × (γ−1)]`, sees the context
   strictly before the anchor, and its Markov inputs are the true tokens (teacher forcing). Slot k
   predicts `tokens[a + 1 + k]`; its target distribution is `p_target = softmax(target logits at row
-  a + k)`. Slots with `a + 1 + k ≥ S` have no target in the window and are masked out.
+  a + k)`. Slots with `a + 1 + k ≥ S` have no target in the window, and slots whose target lies in a later
+  document than a (a BOS at or before it) would teach the drafter to continue across a document boundary:
+  both are masked out (`block_mask`, as DeepSpec and NeMo mask a block by document).
 - **Loss** (DeepSpec's objective): per slot `0.1·CE(draft, tokens[a+1+k]) + 0.9·‖p_draft − p_target‖₁
   + BCE(c_k, α_k)` with `α_k = stop_gradient(1 − ½‖p_draft − p_target‖₁)`, the probability that a
   stochastic verifier accepts the draft; averaged with weights `w_k = exp(−k/4)` (k 0-based) over the
@@ -58,7 +63,7 @@ from flax import nnx
 
 from csa2 import dspark, model
 from csa2.checkpoints import native as checkpoint
-from csa2.config import ModelConfig
+from csa2.config import BOS_ID, ModelConfig
 from csa2.params import arrays
 from train.data import batches
 from train.loop import figure, progress
@@ -99,6 +104,10 @@ class DSparkTrainConfig:
         if not isinstance(self.seq_len, int) or self.seq_len < 2:
             raise ValueError(f"DSparkTrainConfig.seq_len={self.seq_len!r}: must be an integer ≥ 2 (an anchor and the "
                              "token it predicts); use --seq-len 128")
+        if self.anchors >= self.seq_len:
+            raise ValueError(f"DSparkTrainConfig.anchors={self.anchors!r}: anchors are distinct positions of a "
+                             f"{self.seq_len}-token window, so at most seq_len − 1 = {self.seq_len - 1}; use fewer "
+                             "(--anchors) or a longer window (--seq-len)")
         for name in ("lr", "clip_norm", "position_decay"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DSparkTrainConfig.{name}={getattr(self, name)!r}: must be > 0")
@@ -141,15 +150,32 @@ def position_weights(gamma: int, decay: float) -> Array:
     return jnp.exp(-jnp.arange(gamma, dtype=jnp.float32) / decay)
 
 
-def sample_anchors(key: Array, batch: int, seq_len: int, anchors: int) -> Array:
-    """Anchors [B, A] int32, uniform on [0, S − 2] (each block predicts at least one token of the window)."""
-    return jax.random.randint(key, (batch, anchors), 0, seq_len - 1, dtype=jnp.int32)
+def valid_anchors(tokens: Array) -> Array:
+    """[B, S] bool: position a can anchor a block, i.e. `tokens[a + 1]` exists and is no BOS (same document)."""
+    return jnp.pad(tokens[:, 1:] != BOS_ID, ((0, 0), (0, 1)))
 
 
-def _block_rows(anchors: Array, gamma: int, seq_len: int) -> tuple[Array, Array]:
-    """Rows a + k [B, A, γ] (clipped into the window) and the mask a + 1 + k < S."""
-    rows = anchors[..., None] + jnp.arange(gamma, dtype=jnp.int32)
-    return jnp.clip(rows, 0, seq_len - 1), rows + 1 < seq_len
+def sample_anchors(key: Array, tokens: Array, anchors: int) -> Array:
+    """Anchors [B, A] int32: A distinct positions per row of `tokens [B, S]`, uniform over the valid ones
+    (`valid_anchors`; invalid positions fill in only when a row has fewer than A valid ones)."""
+    u = jax.random.uniform(key, tokens.shape)
+    return jax.lax.top_k(jnp.where(valid_anchors(tokens), 1.0 + u, u), anchors)[1].astype(jnp.int32)
+
+
+def block_mask(tokens: Array, anchors: Array, gamma: int) -> Array:
+    """[B, A, γ] bool: slot k of the block at a has a target, `tokens[a + 1 + k]`, in the window and in a's
+    document (no BOS in `tokens[a + 1 … a + 1 + k]`); a slot after a masked one is masked too."""
+    s = tokens.shape[1]
+    doc = jnp.cumsum(tokens == BOS_ID, axis=1)  # [B, S]: document of each position
+    targets = anchors[..., None] + 1 + jnp.arange(gamma, dtype=jnp.int32)  # [B, A, γ]
+    at = lambda pos: jnp.take_along_axis(doc, jnp.clip(pos, 0, s - 1).reshape(doc.shape[0], -1), axis=1)  # noqa: E731
+    same = at(targets).reshape(targets.shape) == at(anchors)[..., None]
+    return (targets < s) & same
+
+
+def _block_rows(anchors: Array, gamma: int, seq_len: int) -> Array:
+    """Rows a + k [B, A, γ] whose target logits predict slot k, clipped into the window."""
+    return jnp.clip(anchors[..., None] + jnp.arange(gamma, dtype=jnp.int32), 0, seq_len - 1)
 
 
 def objective(dc: DSparkTrainConfig, draft_logits: Array, confidence: Array, target_logits: Array, tokens: Array,
@@ -160,7 +186,7 @@ def objective(dc: DSparkTrainConfig, draft_logits: Array, confidence: Array, tar
     `greedy_accept_len`, `ece`, `confidence` and `alpha` (means)."""
     b, a_n, gamma, _ = draft_logits.shape
     s = tokens.shape[1]
-    rows, mask = _block_rows(anchors, gamma, s)  # [B, A, γ]
+    rows, mask = _block_rows(anchors, gamma, s), block_mask(tokens, anchors, gamma)  # [B, A, γ]
     flat = rows.reshape(b, a_n * gamma)
     target = jnp.take_along_axis(target_logits, flat[..., None], axis=1).reshape(b, a_n, gamma, -1)
     labels = jnp.take_along_axis(tokens, jnp.clip(flat + 1, 0, s - 1), axis=1).reshape(b, a_n, gamma)
@@ -252,8 +278,7 @@ def init_state(cfg: ModelConfig, dc: DSparkTrainConfig, drafter: nnx.State | Non
 def dspark_step(cfg: ModelConfig, dc: DSparkTrainConfig, state: DSparkState, backbone: nnx.State,
                 tokens: Array) -> tuple[DSparkState, dict]:
     """One update of the drafter on `tokens [B, S]` with the step's anchors; the backbone is read, never changed."""
-    b, s = tokens.shape
-    anchors = sample_anchors(jax.random.fold_in(state.rng, state.step), b, s, dc.anchors)
+    anchors = sample_anchors(jax.random.fold_in(state.rng, state.step), tokens, dc.anchors)
     (loss, metrics), grads = jax.value_and_grad(lambda d: losses(cfg, dc, d, backbone, tokens, anchors),
                                                 has_aux=True)(state.drafter)
     updates, opt_state = optimizer(dc).update(grads, state.opt_state, state.drafter)
@@ -266,8 +291,7 @@ def dspark_step(cfg: ModelConfig, dc: DSparkTrainConfig, state: DSparkState, bac
 def dspark_metrics(cfg: ModelConfig, dc: DSparkTrainConfig, drafter: nnx.State, backbone: nnx.State, tokens: Array,
                    key: Array) -> dict:
     """The step's metrics without an update (validation), anchors drawn from `key`."""
-    b, s = tokens.shape
-    loss, metrics = losses(cfg, dc, drafter, backbone, tokens, sample_anchors(key, b, s, dc.anchors))
+    loss, metrics = losses(cfg, dc, drafter, backbone, tokens, sample_anchors(key, tokens, dc.anchors))
     return {"loss": loss, **metrics}
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 
 from csa2 import model
 from csa2.checkpoints import native as checkpoint
-from csa2.config import preset
+from csa2.config import BOS_ID, preset
 from csa2.moe import RouterBias
 from train import dspark
 from train.data import load_corpus
@@ -137,6 +137,40 @@ def test_loss_is_the_spec_formula():
     np.testing.assert_allclose(metrics["ece"], ece, rtol=1e-5)
 
 
+def test_anchors_are_distinct_and_uniform_over_valid_positions():
+    """Without replacement, inside the window, never where the next token starts a new document; a row with
+    fewer valid positions than anchors draws every valid one and its other blocks are masked whole."""
+    s, a_n, gamma = 12, 3, 4
+    tokens = np.arange(2 * s, dtype=np.int32).reshape(2, s) % 200
+    tokens[0, [4, 9]] = BOS_ID  # row 0: anchors 3 and 8 would predict a BOS; 11 has no next token
+    tokens[1, 1:] = BOS_ID  # row 1: every next token starts a new document …
+    tokens[1, 11] = 7  # … except at position 10, followed by 7
+    tokens = jnp.asarray(tokens)
+    want0 = sorted(set(range(s - 1)) - {3, 8})
+    np.testing.assert_array_equal(np.flatnonzero(dspark.valid_anchors(tokens)[0]), want0)
+    np.testing.assert_array_equal(np.flatnonzero(dspark.valid_anchors(tokens)[1]), [10])
+    draws = np.stack([np.asarray(dspark.sample_anchors(jax.random.PRNGKey(i), tokens, a_n)) for i in range(400)])
+    assert all(len(set(row)) == a_n for row in draws.reshape(-1, a_n))  # distinct within a row
+    assert set(draws[:, 0].ravel()) == set(want0)
+    counts = np.bincount(draws[:, 0].ravel(), minlength=s)[want0]  # 1200 draws over 9 positions: ~133 each
+    assert counts.min() > 90 and counts.max() < 180
+    assert (draws[:, 1] == 10).any(axis=1).all()  # row 1's one valid position is always drawn
+    mask = np.asarray(jax.vmap(lambda a: dspark.block_mask(tokens, a, gamma))(jnp.asarray(draws)))
+    others = draws[:, 1] != 10
+    assert not mask[:, 1][others].any() and mask[:, 1][~others][:, 0].all()
+
+
+def test_block_mask_stops_at_the_window_and_at_document_boundaries():
+    tokens = jnp.asarray([[1, 2, BOS_ID, 3, 4, 5, 6, BOS_ID, 8, 9]], jnp.int32)
+    anchors = jnp.asarray([[0, 1, 3, 6, 8]], jnp.int32)
+    want = [[1, 0, 0, 0],  # a = 0 predicts 2, then BOS (a new document)
+            [0, 0, 0, 0],  # a = 1 predicts the BOS itself
+            [1, 1, 1, 0],  # a = 3 predicts 4, 5, 6, then BOS
+            [0, 0, 0, 0],  # a = 6 predicts the BOS
+            [1, 0, 0, 0]]  # a = 8 predicts 9, then the window ends
+    np.testing.assert_array_equal(dspark.block_mask(tokens, anchors, 4)[0], np.asarray(want, bool))
+
+
 def test_loss_falls_on_a_repeating_sequence(mini_params):
     pattern = np.frombuffer(b"abcdefg ", np.uint8).astype(np.int32)
     tokens = jnp.asarray(np.tile(pattern, (DC.batch_size, DC.seq_len // pattern.size + 1))[:, :DC.seq_len])
@@ -195,6 +229,8 @@ def test_bad_inputs_are_refused(mini_params, tmp_path, capsys):
                          ("log_every", 0), ("warmup", -1)):
         with pytest.raises(ValueError, match=f"DSparkTrainConfig.{field}={value}"):
             DSparkTrainConfig(**{field: value})
+    with pytest.raises(ValueError, match="DSparkTrainConfig.anchors=8: .* at most seq_len − 1 = 7"):
+        DSparkTrainConfig(seq_len=8, anchors=8)
     no_drafter = CFG.replace(num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
         dspark.adapt(no_drafter, mini_params, load_corpus().train, DC, tmp_path / "x", log=lambda _: None)
