@@ -95,10 +95,12 @@ def update(X: Array, f_out: Array, post: Array, comb: Array) -> Array:
     _check_streams(X, "comb", comb, 2)
     if f_out.shape[-1:] != X.shape[-1:]:
         raise ValueError(f"f_out.shape={f_out.shape}: expected [..., {X.shape[-1]}] (the d of X.shape={X.shape})")
-    # A dot, not element-wise multiply-adds: those run faster on XLA:CPU but are fused (and handed to YNNPACK)
-    # differently at different batch sizes, so a row's bits would depend on its batch (README, Benchmarks).
+    # n ordered multiply-adds rather than a [n, n]·[n, d] dot per token, which XLA:CPU runs as a batched matmul
+    # call: they fuse with the site's other element-wise work (README, Benchmarks). Like any op, they round alike
+    # across batch sizes only to float rounding (`csa2.state`, "What is bitwise").
+    c, x = comb.astype(jnp.float32), X.astype(jnp.float32)
     with jax.named_scope("fp32_mhc"):
-        mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(jnp.float32), X.astype(jnp.float32), precision=_HIGHEST)
+        mixed = sum(c[..., j, :, None] * x[..., j, None, :] for j in range(X.shape[-2]))
     out = post.astype(jnp.float32)[..., None] * f_out.astype(jnp.float32)[..., None, :] + mixed
     return out.astype(X.dtype)
 
