@@ -4,8 +4,8 @@
                                [--max-new-tokens 64] [--prompt-len 64] [--sps runs/demo/sps.json]
     python -m infer.bench_spec --checkpoint runs/demo --measure-sps [--sps runs/demo/sps.json]
 
-Prompts are the first `--prompt-len` bytes of the corpus's validation documents (`pydoc_data.topics`,
-every tenth document, as `train.data` splits it), `--batches` of them at a time, greedy.
+Prompts are `--prompt-len`-token windows of the corpus's validation documents (`pydoc_data.topics`, every
+tenth document, as `train.data` splits it; the first ones are the documents' beginnings), greedy.
 
 - `--measure-sps` fills the `SpsTable` the confidence schedule reads: for each batch size and each
   verify width w of `--sps-widths` (each one a branch the scheduled loop compiles), the steady rate of
@@ -16,6 +16,9 @@ every tenth document, as `train.data` splits it), `--batches` of them at a time,
   interleaved `--reps` times; new tokens per second, the ratio to plain, mean accepted drafts per
   step and the acceptance per draft position. Every method must emit the same tokens (greedy), which
   is checked. One JSON line per measurement, a table at the end.
+- Then (unless `--prompts 0`) the drafter's acceptance over `--prompts` held-out prompts (default 64): the
+  mean acceptance length (tokens per verify step, bonus included: SPEC §12's figure) and the acceptance of
+  each draft position, each with n and a 95 % interval from resampling the prompts.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
 from csa2.tokenizer import encode
 from csa2.state import init_state, token_granule
-from infer import generate
+from infer import generate, stats
 from infer.bench_model import machine_info
 from infer.schedule import SpsTable, config_fingerprint
 from infer.speculative import speculative_generate
@@ -46,13 +49,18 @@ VALID_EVERY = 10  # train.data's validation split: documents 0, 10, 20, … of t
 
 
 def validation_prompts(n: int, length: int) -> list[np.ndarray]:
-    """The first `length` tokens (BOS + bytes) of `n` validation documents of the embedded corpus."""
+    """`n` held-out prompts of at most `length` tokens: the validation documents of the embedded corpus cut into
+    consecutive windows (`[0, length)`, `[length, 2·length)`, … of BOS + bytes), taken round-robin over the
+    documents, so the first prompts are the documents' beginnings and no two prompts overlap."""
     from pydoc_data.topics import topics
 
-    documents = list(dict.fromkeys(topics[key] for key in sorted(topics)))[::VALID_EVERY]
-    if n > len(documents):
-        raise ValueError(f"batch={n}: the corpus has {len(documents)} validation documents; use a smaller batch")
-    return [encode(text)[:length] for text in documents[:n]]
+    documents = [encode(text) for text in list(dict.fromkeys(topics[key] for key in sorted(topics)))[::VALID_EVERY]]
+    windows = [doc[i:i + length] for i in range(0, max(len(d) for d in documents), length) for doc in documents
+               if len(doc) - i >= max(1, length // 2)]  # a tail shorter than half a prompt is left out
+    if n > len(windows):
+        raise ValueError(f"n={n}: the validation documents give {len(windows)} prompts of {length} tokens; ask for "
+                         "fewer prompts or shorter ones (--prompt-len)")
+    return windows[:n]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,12 +141,35 @@ def compare(cfg: ModelConfig, params, batch: int, prompt_len: int, new_tokens: i
                "wall_s": round(wall, 4), "tokens_per_s": round(tps, 2), "speedup": round(tps / plain_tps, 3)}
         if name != "plain":
             row.update(steps=res.steps, mean_accept=round(res.mean_accept, 3),
-                       position_acceptance=[round(float(a / t), 3) if t else None
-                                            for a, t in zip(res.position_accepts, res.position_tries)],
+                       position_acceptance=[None if np.isnan(a) else round(float(a), 3)
+                                            for a in res.position_acceptance],
                        widths_used=res.widths.tolist())
         log(row)
         rows.append(row)
     return rows
+
+
+def acceptance(cfg: ModelConfig, params, n_prompts: int, prompt_len: int, new_tokens: int, batch: int,
+               sps: SpsTable | None = None) -> dict:
+    """Greedy speculative decoding of `n_prompts` held-out prompts in batches of `batch`: the mean acceptance
+    length (tokens per verify step, bonus included) and the acceptance of each draft position (accepted /
+    reached), each with its 95 % interval from resampling the prompts (`infer.stats`)."""
+    prompts = validation_prompts(n_prompts, prompt_len)
+    committed, steps, accepts, tries = [], [], [], []
+    for i in range(0, n_prompts, batch):
+        chunk = prompts[i:i + batch]
+        res = speculative_generate(cfg, params, chunk + chunk[-1:] * (batch - len(chunk)), max_new_tokens=new_tokens,
+                                   eos_id=None, sps=sps)  # a short last batch repeats a prompt, counted once
+        committed.append(res.accepted[:len(chunk)] + res.row_steps[:len(chunk)])
+        steps.append(res.row_steps[:len(chunk)])
+        accepts.append(res.position_accepts[:len(chunk)])
+        tries.append(res.position_tries[:len(chunk)])
+    # Pooled over steps, as the figure is defined (a prompt's weight is its number of verify steps).
+    (tau,) = stats.ratio_interval(np.concatenate(committed)[:, None], np.concatenate(steps)[:, None])
+    per_position = stats.ratio_interval(np.concatenate(accepts), np.concatenate(tries))
+    return {"measure": "acceptance", "method": "scheduled" if sps is not None else f"fixed_gamma{cfg.dspark_block_size}",
+            "prompts": n_prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
+            "acceptance_length": tau.as_dict(), "position_acceptance": [x.as_dict() for x in per_position]}
 
 
 def load(checkpoint_dir: str, drafter_dir: str | None) -> tuple[ModelConfig, object]:
@@ -163,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sps-widths", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--sps-context", type=int, default=128)
     ap.add_argument("--sps-steps", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=64,
+                    help="held-out prompts for the acceptance figures with 95 %% intervals (0: skip them)")
+    ap.add_argument("--acceptance-batch", type=int, default=16, help="rows per speculative call for --prompts")
     args = ap.parse_args(argv)
     try:
         cfg, params = load(args.checkpoint, args.drafter)
@@ -189,6 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['batch']} | {r['method']} | {r['tokens_per_s']} | {r['speedup']}× | {r.get('mean_accept', '')} "
               f"| {r.get('position_acceptance', '')} |")
+    if args.prompts:
+        try:
+            acc = acceptance(cfg, params, args.prompts, args.prompt_len, args.max_new_tokens, args.acceptance_batch)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        log(acc)
+        ci = lambda x: f"{x['value']:.2f} [{x['lo']:.2f}, {x['hi']:.2f}]"  # noqa: E731
+        print(f"\nacceptance length (tokens per verify step, bonus included), greedy, γ = {cfg.dspark_block_size}, "
+              f"n = {acc['prompts']} held-out prompts, 95 % interval: {ci(acc['acceptance_length'])}")
+        print("acceptance per draft position (accepted / reached): "
+              + ", ".join(ci(x) for x in acc["position_acceptance"]))
     return 0
 
 

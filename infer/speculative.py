@@ -14,7 +14,11 @@ runs `speculative_loop`: one jitted function that prefills every row and loops i
    min(1, p(d_i)/q(d_i)), on rejection draw C from norm(max(p − q, 0)), after n = cap draw C from p;
    p and q are the distributions `csa2.sampling` draws from (one-hot argmax at temperature 0, where
    the rule is "accept while d_i equals the target's argmax"), so the output has the target's
-   distribution and greedy speculative output equals greedy `generate` token for token;
+   distribution and greedy speculative output equals greedy `generate` token for token. Top-p
+   truncates q as well as p: the drafts are drawn from the drafter's tempered nucleus, and q must be
+   the distribution they were drawn from. That truncation is free, since min(1, p/q) with the residual
+   norm(max(p − q, 0)) yields exactly p for any proposal q: it changes acceptance rates, never the
+   output distribution (accepting against the untruncated q instead would bias it);
 5. `model.commit(n + 1, C)` and emit (d1 … dn, C) into each row's output.
 
 Per-row EOS and the token budget: a row whose emitted tokens reach EOS or `max_new_tokens` keeps
@@ -45,16 +49,18 @@ Array = jax.Array
 
 class SpecResult(NamedTuple):
     """New tokens [B, max_new_tokens] (PAD after a row's end), their count per row [B], the state, and
-    statistics: `steps` (verify steps run), `accepted [B]` drafts accepted per row, `position_accepts [γ]`
-    / `position_tries [γ]` (how often draft k was accepted / reached, i.e. verified after k accepted drafts,
-    over all rows and steps: their ratio is the conditional acceptance per position) and
-    `widths [len(widths)]` (how many steps ran at each compiled width)."""
+    statistics: `steps` (verify steps run), per row `accepted [B]` drafts accepted, `row_steps [B]` verify
+    steps it ran in, `position_accepts [B, γ]` / `position_tries [B, γ]` (how often draft k was accepted /
+    reached, i.e. verified after k accepted drafts: their ratio is the conditional acceptance per position),
+    and `widths [len(widths)]` (how many steps ran at each compiled width). Per-row counts let a figure be
+    resampled over prompts (`infer.stats`)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     state: State
     steps: int
     accepted: np.ndarray
+    row_steps: np.ndarray
     position_accepts: np.ndarray
     position_tries: np.ndarray
     widths: np.ndarray
@@ -62,8 +68,14 @@ class SpecResult(NamedTuple):
     @property
     def mean_accept(self) -> float:
         """Mean accepted drafts per verify step of a running row."""
-        tries = self.position_tries[0]
-        return float(self.position_accepts.sum() / tries) if tries else 0.0
+        steps = self.row_steps.sum()
+        return float(self.accepted.sum() / steps) if steps else 0.0
+
+    @property
+    def position_acceptance(self) -> np.ndarray:
+        """[γ] accepted / reached drafts at each position, over every row (NaN where no draft was reached)."""
+        accepts, tries = self.position_accepts.sum(0), self.position_tries.sum(0)
+        return np.where(tries > 0, accepts / np.maximum(tries, 1), np.nan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,8 +127,9 @@ def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, ke
     first = sample(logits, sub, temperature, top_p)
     out = jnp.full((b, max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(first)
     zeros_b = jnp.zeros((b,), jnp.int32)
-    stats = dict(steps=jnp.int32(0), accepted=zeros_b, position_accepts=jnp.zeros((gamma,), jnp.int32),
-                 position_tries=jnp.zeros((gamma,), jnp.int32), widths=jnp.zeros((len(widths),), jnp.int32))
+    stats = dict(steps=jnp.int32(0), accepted=zeros_b, row_steps=zeros_b,
+                 position_accepts=jnp.zeros((b, gamma), jnp.int32), position_tries=jnp.zeros((b, gamma), jnp.int32),
+                 widths=jnp.zeros((len(widths),), jnp.int32))
     done = (first == eos_id) | (max_new_tokens == 1)
     carry = (state, out, jnp.ones((b,), jnp.int32), done, first, key, stats)
 
@@ -161,8 +174,9 @@ def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, ke
         tried = (jnp.arange(gamma)[None] < jnp.minimum(n + 1, cap)[:, None]).astype(jnp.int32)  # drafts reached
         took = (jnp.arange(gamma)[None] < n[:, None]).astype(jnp.int32)
         stats = dict(steps=stats["steps"] + 1, accepted=stats["accepted"] + jnp.where(done, 0, n),
-                     position_accepts=stats["position_accepts"] + jnp.sum(took, axis=0),
-                     position_tries=stats["position_tries"] + jnp.sum(tried, axis=0),
+                     row_steps=stats["row_steps"] + (~done).astype(jnp.int32),
+                     position_accepts=stats["position_accepts"] + took,
+                     position_tries=stats["position_tries"] + tried,
                      widths=stats["widths"].at[which].add(1))
         return state, out, count, done | ended, jnp.where(done, anchor, last), key, stats
 
@@ -228,5 +242,6 @@ def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarra
         cache_format=p.cache_format, widths=widths)
     stats = jax.device_get(stats)
     return SpecResult(tokens=np.asarray(out), lengths=np.asarray(count), state=state, steps=int(stats["steps"]),
-                      accepted=stats["accepted"], position_accepts=stats["position_accepts"],
+                      accepted=stats["accepted"], row_steps=stats["row_steps"],
+                      position_accepts=stats["position_accepts"],
                       position_tries=stats["position_tries"], widths=stats["widths"])

@@ -66,7 +66,7 @@ def speculative_vs_plain(cfg, params, prompts, max_new_tokens: int, compiled) ->
         raise AssertionError("speculative greedy output differs from plain greedy generate")
     return {"plain_tokens_per_s": plain.lengths.sum() / plain_s, "spec_tokens_per_s": spec.lengths.sum() / spec_s,
             "mean_accept": spec.mean_accept, "steps": spec.steps, "tokens": int(spec.lengths.sum()),
-            "position_acceptance": [a / t if t else 0.0 for a, t in zip(spec.position_accepts, spec.position_tries)]}
+            "position_acceptance": np.nan_to_num(spec.position_acceptance).tolist()}
 
 
 def main(argv: list[str] | None = None) -> int:

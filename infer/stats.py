@@ -1,0 +1,73 @@
+"""Intervals for figures measured over prompts: a percentile bootstrap that resamples the prompts (the unit that is
+independent), so tokens of one prompt, which are correlated, never count as separate samples.
+
+`ratio_interval` is for rates pooled over prompts (accepted / reached drafts): each resample sums numerators and
+denominators over the drawn prompts before dividing, as the point estimate does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+LEVEL = 0.95
+RESAMPLES = 2000
+
+
+class Interval(NamedTuple):
+    """A point estimate over `n` prompts and its bootstrap interval [lo, hi] at `level`."""
+
+    value: float
+    lo: float
+    hi: float
+    n: int
+    level: float = LEVEL
+
+    def as_dict(self, digits: int = 3) -> dict:
+        return {"value": round(self.value, digits), "lo": round(self.lo, digits), "hi": round(self.hi, digits),
+                "n": self.n, "level": self.level}
+
+
+def _draws(n: int, resamples: int, seed: int) -> np.ndarray:
+    if n < 2:
+        raise ValueError(f"n={n}: an interval needs at least 2 prompts; measure more prompts")
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def _percentiles(stats: np.ndarray, level: float) -> tuple[float, float]:
+    if not 0 < level < 1:
+        raise ValueError(f"level={level!r}: must be in (0, 1), e.g. 0.95")
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2], axis=0)
+    return lo, hi
+
+
+def mean_interval(values, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
+    """The mean of one value per prompt `values [n]` and its percentile-bootstrap interval."""
+    v = np.asarray(values, np.float64)
+    if v.ndim != 1:
+        raise ValueError(f"values.shape={v.shape}: expected one value per prompt [n]")
+    lo, hi = _percentiles(v[_draws(len(v), resamples, seed)].mean(axis=1), level)
+    return Interval(float(v.mean()), float(lo), float(hi), len(v), level)
+
+
+def ratio_interval(numerators, denominators, *, level: float = LEVEL, resamples: int = RESAMPLES,
+                   seed: int = 0) -> list[Interval]:
+    """Pooled rates `Σ num / Σ den` per column of `[n, k]` per-prompt counts, with intervals from resampling the
+    prompts (rows); a column whose resample has no denominator is left out of that column's quantiles."""
+    num, den = np.asarray(numerators, np.float64), np.asarray(denominators, np.float64)
+    if num.shape != den.shape or num.ndim != 2:
+        raise ValueError(f"numerators.shape={num.shape}, denominators.shape={den.shape}: expected equal [n, k] "
+                         "counts, one row per prompt")
+    idx = _draws(len(num), resamples, seed)
+    s_num, s_den = num[idx].sum(axis=1), den[idx].sum(axis=1)  # [resamples, k]
+    out = []
+    for j in range(num.shape[1]):
+        total = den[:, j].sum()
+        if total == 0:
+            out.append(Interval(float("nan"), float("nan"), float("nan"), len(num), level))
+            continue
+        ok = s_den[:, j] > 0
+        lo, hi = _percentiles(s_num[ok, j] / s_den[ok, j], level)
+        out.append(Interval(float(num[:, j].sum() / total), float(lo), float(hi), len(num), level))
+    return out

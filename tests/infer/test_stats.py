@@ -1,0 +1,46 @@
+"""Bootstrap intervals over prompts (infer.stats)."""
+
+import numpy as np
+import pytest
+
+from infer import stats
+
+
+def test_mean_interval_covers_the_mean_and_shrinks_with_n():
+    rng = np.random.default_rng(0)
+    small, large = rng.normal(3.0, 1.0, 16), rng.normal(3.0, 1.0, 1024)
+    a, b = stats.mean_interval(small), stats.mean_interval(large)
+    assert a.lo < a.value < a.hi and b.lo < b.value < b.hi and (a.n, b.n) == (16, 1024)
+    assert (b.hi - b.lo) < (a.hi - a.lo) / 4  # √64 = 8× narrower in expectation
+    # A normal mean's 95 % interval is ≈ ±1.96 σ/√n.
+    assert (b.hi - b.lo) == pytest.approx(2 * 1.96 * large.std() / np.sqrt(1024), rel=0.1)
+    assert stats.mean_interval([2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0, 3, 0.95)
+
+
+def test_mean_interval_covers_the_truth_at_its_level():
+    """Over 300 experiments of 40 draws each, the 95 % interval holds the true mean about 95 % of the time."""
+    rng = np.random.default_rng(1)
+    hits = [(i := stats.mean_interval(rng.exponential(1.0, 40), resamples=500, seed=s)).lo <= 1.0 <= i.hi
+            for s in range(300)]
+    assert 0.88 <= np.mean(hits) <= 0.99
+
+
+def test_ratio_interval_pools_counts_over_prompts():
+    num = np.array([[1, 0], [3, 1], [2, 2], [0, 0]])
+    den = np.array([[2, 1], [4, 3], [2, 2], [1, 0]])
+    r = stats.ratio_interval(num, den, resamples=400)
+    assert r[0].value == pytest.approx(6 / 9) and r[1].value == pytest.approx(3 / 6)
+    assert all(x.lo <= x.value <= x.hi for x in r) and r[0].n == 4
+    empty = stats.ratio_interval(np.zeros((3, 1)), np.zeros((3, 1)))[0]
+    assert np.isnan(empty.value)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: stats.mean_interval([1.0]), "n=1"),
+    (lambda: stats.mean_interval(np.ones((2, 2))), r"values.shape=\(2, 2\)"),
+    (lambda: stats.mean_interval([1.0, 2.0], level=95), "level=95"),
+    (lambda: stats.ratio_interval(np.ones((2, 3)), np.ones((2, 2))), "numerators.shape"),
+])
+def test_bad_input_is_refused_by_name(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
