@@ -173,10 +173,9 @@ def acceptance(cfg: ModelConfig, params, n_prompts: int, prompt_len: int, new_to
 
 
 def load(checkpoint_dir: str, drafter_dir: str | None) -> tuple[ModelConfig, object]:
-    """The backbone of `checkpoint_dir` with the adapted drafter of `drafter_dir` (default: `<checkpoint>/dspark`)."""
-    cfg, params = checkpoint.restore_params(checkpoint_dir)
-    drafter_dir = drafter_dir or os.path.join(checkpoint_dir, "dspark")
-    return cfg, checkpoint.with_drafter(params, checkpoint.restore_drafter(drafter_dir, cfg))
+    """The backbone of `checkpoint_dir` with the adapted drafter of `drafter_dir` (default: `<checkpoint>/dspark`), in
+    the drafter's config (its stage count may differ from the backbone's)."""
+    return checkpoint.restore_with_drafter(checkpoint_dir, drafter_dir or os.path.join(checkpoint_dir, "dspark"))
 
 
 def main(argv: list[str] | None = None) -> int:

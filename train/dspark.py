@@ -1,6 +1,7 @@
 """DSpark adaptation (SPEC §12): train the drafter on a frozen backbone.
 
     python -m train.dspark --backbone DIR [--out DIR --steps N --anchors A --batch B --seq-len S --lr LR]
+                           [--data corpus|greedy|sampled --stages N]
 
 Each step takes a batch of windows `tokens [B, S]` of the embedded corpus and `A` anchors per row, drawn
 without replacement from the row's valid anchor positions with the step's RNG (`fold_in(rng, step)`), so the
@@ -9,6 +10,14 @@ stopped. An anchor a is valid when the token it predicts first, `tokens[a + 1]`,
 document (the corpus starts each document with BOS, `train.data`); a row with fewer valid positions than A
 also draws invalid ones, whose slots the mask removes.
 
+- **Data** (`data`). `corpus`: random windows of the corpus. `greedy` / `sampled`: self-distillation, rows
+  the frozen target wrote itself from corpus prompts (`train.distill`: `distill_rows` rows of a
+  `distill_prompt`-token prompt and its continuation, greedy or at `distill_temperature`), generated once
+  and kept in the run directory as `pool.npy`; batches are drawn from that pool. The drafter is scored on
+  the target's own continuations at inference, so this is the data it is tested on.
+- **Stages.** The drafter's stage count is its own (`csa2.checkpoints.native.DRAFTER_FIELDS`): `--stages 3`
+  adapts the release's three stages on a backbone trained with one; the drafter checkpoint stores that
+  config and `restore_with_drafter` puts the backbone under it.
 - **Target.** The backbone runs teacher-forced (`model.forward(..., features=True)`) and its logits and
   DSpark features pass through `jax.lax.stop_gradient`; the loss is differentiated with respect to the
   drafter's subtree alone, so the backbone is frozen by construction, not by a zero learning rate.
@@ -66,11 +75,14 @@ from csa2.checkpoints import native as checkpoint
 from csa2.config import BOS_ID, ModelConfig
 from csa2.params import arrays
 from train.data import batches
+from train.distill import continuations, pool_batches
 from train.loop import figure, progress
 
 Array = jax.Array
 
 ECE_BINS = 10
+DATA = ("corpus", "greedy", "sampled")
+POOL = "pool.npy"  # the self-distillation pool of a run, kept in its directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +102,10 @@ class DSparkTrainConfig:
     bce_weight: float = 1.0
     position_decay: float = 4.0  # w_k = exp(−k / position_decay)
     qat: bool = True  # SPEC §8 numerics in the target's forward and the drafter's windows, as at inference
+    data: str = "corpus"  # "corpus" windows, or the target's own "greedy" / "sampled" continuations (train.distill)
+    distill_rows: int = 512  # rows of the self-distillation pool
+    distill_prompt: int = 32  # corpus tokens each pool row starts from
+    distill_temperature: float = 1.0  # the target's temperature for data="sampled"
     log_every: int = 1
     seed: int = 0
 
@@ -114,6 +130,19 @@ class DSparkTrainConfig:
         for name in ("weight_decay", "ce_weight", "l1_weight", "bce_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"DSparkTrainConfig.{name}={getattr(self, name)!r}: must be ≥ 0")
+        if self.data not in DATA:
+            raise ValueError(f"DSparkTrainConfig.data={self.data!r}: choose one of {DATA} (--data)")
+        if self.data != "corpus":
+            if not isinstance(self.distill_rows, int) or self.distill_rows < 1:
+                raise ValueError(f"DSparkTrainConfig.distill_rows={self.distill_rows!r}: must be an integer ≥ 1 "
+                                 "(rows of the self-distillation pool, --distill-rows)")
+            if not isinstance(self.distill_prompt, int) or not 1 <= self.distill_prompt < self.seq_len:
+                raise ValueError(f"DSparkTrainConfig.distill_prompt={self.distill_prompt!r}: must be an integer in "
+                                 f"[1, seq_len − 1 = {self.seq_len - 1}]: a pool row is the prompt and the target's "
+                                 "continuation of it (--distill-prompt)")
+            if self.data == "sampled" and not self.distill_temperature > 0:
+                raise ValueError(f"DSparkTrainConfig.distill_temperature={self.distill_temperature!r}: sampled "
+                                 "continuations need a temperature > 0; use data='greedy' for temperature 0")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"DSparkTrainConfig.warmup={self.warmup!r}: must be an integer ≥ 0 (steps of lr warmup)")
         if not isinstance(self.seed, int) or self.seed < 0:
@@ -260,6 +289,14 @@ def optimizer(dc: DSparkTrainConfig) -> optax.GradientTransformation:
     return optax.multi_transform({"adamw": adamw, "frozen": optax.set_to_zero()}, _labels)
 
 
+def with_stages(cfg: ModelConfig, params: nnx.State, stages: int, seed: int) -> tuple[ModelConfig, nnx.State]:
+    """(config, params) of the backbone `params` of `cfg` with a fresh drafter of `stages` draft stages."""
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ValueError(f"stages={stages!r}: a drafter has at least one draft stage (--stages 1 … ; the release has 3)")
+    cfg = cfg.replace(num_nextn_predict_layers=stages)
+    return cfg, checkpoint.with_drafter(params, fresh_drafter(cfg, seed), cfg)
+
+
 def fresh_drafter(cfg: ModelConfig, seed: int) -> nnx.State:
     """A newly initialized drafter: the `drafter` subtree of `model.init_params(cfg, PRNGKey(seed))`."""
     check_backbone(cfg)
@@ -346,11 +383,33 @@ def _save(out: pathlib.Path, cfg: ModelConfig, dc: DSparkTrainConfig, state: DSp
                             extra={"dspark_config": dataclasses.asdict(dc)})
 
 
+def _pool(cfg: ModelConfig, dc: DSparkTrainConfig, params: nnx.State, corpus, out: pathlib.Path,
+          log: Callable[[str], None]) -> np.ndarray:
+    """The run's self-distillation pool: `out/pool.npy` when it holds this recipe's shape, else generated by the
+    target (`train.distill.continuations`) and saved there."""
+    path = out / POOL
+    if path.exists():
+        pool = np.load(path)
+        if pool.shape == (dc.distill_rows, dc.seq_len):
+            return pool
+        log(f"{path}: shape {pool.shape}, not this recipe's ({dc.distill_rows}, {dc.seq_len}); generating anew")
+    t0 = time.perf_counter()
+    pool = continuations(cfg, params, corpus, rows=dc.distill_rows, prompt_len=dc.distill_prompt,
+                         seq_len=dc.seq_len, temperature=0.0 if dc.data == "greedy" else dc.distill_temperature,
+                         seed=dc.seed)
+    np.save(path, pool)
+    log(f"# self-distillation pool ({dc.data}): {pool.shape[0]} rows of {dc.distill_prompt} corpus + "
+        f"{dc.seq_len - dc.distill_prompt} target tokens in {time.perf_counter() - t0:.0f}s, saved {path}")
+    return pool
+
+
 def adapt(cfg: ModelConfig, backbone_params: nnx.State, tokens_array, dc: DSparkTrainConfig, out_dir, *,
           log: Callable[[str], None] = print, resume: bool = False, drafter: nnx.State | None = None,
           save_every: int = 0, until: int | None = None) -> nnx.State:
-    """Adapt the drafter of `cfg` on the frozen `backbone_params` (full model params, e.g. `restore_params`'s)
-    over random windows of `tokens_array` (a 1-D token stream) for up to step `until` (default `dc.steps`).
+    """Adapt the drafter of `cfg` on the frozen `backbone_params` (full model params of `cfg`, e.g.
+    `restore_params`'s; for another stage count than the backbone's, `checkpoint.with_drafter(backbone,
+    fresh_drafter(cfg, seed), cfg)`) over random windows of `tokens_array` (a 1-D token stream), or over the
+    target's continuations of its windows (`dc.data`), for up to step `until` (default `dc.steps`).
 
     Starts from `drafter` (default: a fresh one, `fresh_drafter(cfg, dc.seed)`), or from the latest drafter
     checkpoint in `out_dir` when `resume`. Writes drafter checkpoints, `metrics.jsonl` and `dspark.png` to
@@ -376,7 +435,12 @@ def adapt(cfg: ModelConfig, backbone_params: nnx.State, tokens_array, dc: DSpark
     else:
         state = init_state(cfg, dc, drafter)
     first = int(state.step)
-    data = batches(tokens_array, dc.batch_size, dc.seq_len, seed=dc.seed, start_step=first)
+    if dc.data == "corpus":
+        data = (tokens for tokens, _ in batches(tokens_array, dc.batch_size, dc.seq_len, seed=dc.seed,
+                                                start_step=first))
+    else:
+        data = pool_batches(_pool(cfg, dc, backbone_params, tokens_array, out, log), dc.batch_size, seed=dc.seed,
+                            start_step=first)
     metrics_path = out / "metrics.jsonl"
     records = ([json.loads(line) for line in metrics_path.read_text().splitlines()]
                if resume and metrics_path.exists() else [])
@@ -386,7 +450,7 @@ def adapt(cfg: ModelConfig, backbone_params: nnx.State, tokens_array, dc: DSpark
         log(f"nothing to do: the drafter checkpoint in {out} is at step {first} ≥ {last}")
     compiled = time.perf_counter()
     for step in range(first, last):
-        tokens, _ = next(data)
+        tokens = next(data)
         state, metrics = dspark_step(cfg, dc, state, backbone_params, jnp.asarray(tokens))
         done = step + 1
         if step == first:  # the first step includes compilation: rates count from its end
@@ -437,6 +501,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--data", choices=DATA, default=d.data, help="corpus windows, or the target's own greedy / "
+                   "sampled continuations of corpus prompts (self-distillation)")
+    p.add_argument("--distill-rows", type=int, default=d.distill_rows, help="rows of the self-distillation pool")
+    p.add_argument("--distill-prompt", type=int, default=d.distill_prompt, help="corpus tokens per pool row")
+    p.add_argument("--distill-temperature", type=float, default=d.distill_temperature,
+                   help="the target's temperature for --data sampled")
+    p.add_argument("--stages", type=int, default=None, help="draft stages (default: the backbone config's; the "
+                   "release has 3)")
     p.add_argument("--float", action="store_true", help="ablation: float target and float draft windows "
                    "(default: SPEC §8 numerics)")
     p.add_argument("--log-every", type=int, default=d.log_every)
@@ -454,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         dc = DSparkTrainConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq_len, anchors=args.anchors,
-                               lr=args.lr, warmup=args.warmup, qat=not args.float, log_every=args.log_every,
+                               lr=args.lr, warmup=args.warmup, qat=not args.float, data=args.data,
+                               distill_rows=args.distill_rows, distill_prompt=args.distill_prompt,
+                               distill_temperature=args.distill_temperature, log_every=args.log_every,
                                seed=args.seed)
         if args.eval_batches < 0:
             raise ValueError(f"--eval-batches={args.eval_batches}: must be ≥ 0 (0 skips validation)")
@@ -463,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                              "python -m train (e.g. runs/demo after make demo)")
         cfg, backbone = checkpoint.restore_params(args.backbone, step=args.backbone_step)
         check_backbone(cfg)
+        if args.stages is not None:
+            cfg, backbone = with_stages(cfg, backbone, args.stages, dc.seed)
         corpus = load_corpus()
         params = adapt(cfg, backbone, corpus.train, dc, args.out, resume=args.resume, save_every=args.save_every,
                        log=(lambda _: None) if args.quiet else print)

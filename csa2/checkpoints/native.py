@@ -355,16 +355,24 @@ def _variables(tree) -> tuple[list, Any]:
     return [(tuple(_key_name(k) for k in path), v) for path, v in flat], treedef
 
 
-def with_drafter(params, drafter):
+DRAFTER_FIELDS = ("num_nextn_predict_layers",)  # the drafter's own shape: one backbone serves drafters of any
+
+
+def with_drafter(params, drafter, cfg: ModelConfig | None = None):
     """Full model `params` (`nnx.State`) with the `drafter` subtree replaced by `drafter` (e.g. `restore_drafter`'s),
     in the pytree structure of `params`, so jitted inference sees the same arguments and does not retrace.
-    Every drafter variable must match in path, variable type, dtype and shape (ValueError naming them)."""
-    full, treedef = _variables(params)
+
+    With `cfg`, the result has `cfg`'s structure instead: `cfg` may differ from the config of `params` in
+    `DRAFTER_FIELDS` (a drafter of three stages on a backbone trained with one). Every variable must match its
+    place in path, variable type, dtype and shape (ValueError naming them)."""
+    full, _ = _variables(params)
+    like, treedef = _variables(params if cfg is None else abstract_params(cfg))
     new = dict(_variables(drafter)[0])
-    old = {path[1:]: v for path, v in full if path[0] == DRAFTER}
-    if not old:
+    if not any(path[0] == DRAFTER for path, _ in full):
         raise ValueError(f"with_drafter: params has no {DRAFTER!r} subtree; build params from a config with "
                          "num_nextn_predict_layers ≥ 1 (model.init_params or restore_params)")
+    if not any(path[0] == DRAFTER for path, _ in like):
+        raise ValueError("with_drafter: cfg has no drafter (num_nextn_predict_layers=0); pass the drafter's config")
 
     def sig(v) -> str:
         if v is None:
@@ -372,19 +380,33 @@ def with_drafter(params, drafter):
         x = v.get_value()
         return f"{type(v).__name__} {np.dtype(x.dtype)}{list(np.shape(x))}"
 
-    diffs = [f"{'.'.join(p)} {sig(new.get(p))} (drafter) vs {sig(old.get(p))} (params)"
-             for p in sorted(old.keys() | new.keys()) if sig(new.get(p)) != sig(old.get(p))]
+    def differences(given: dict, wanted: dict, what: str) -> list[str]:
+        return [f"{'.'.join(p)} {sig(given.get(p))} ({what}) vs {sig(wanted.get(p))} (expected)"
+                for p in sorted(given.keys() | wanted.keys()) if sig(given.get(p)) != sig(wanted.get(p))]
+
+    backbone = {path: v for path, v in full if path[0] != DRAFTER}
+    diffs = (differences(new, {path[1:]: v for path, v in like if path[0] == DRAFTER}, "drafter")
+             + differences(backbone, {path: v for path, v in like if path[0] != DRAFTER}, "params"))
     if diffs:
         more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""
         raise ValueError("with_drafter: the drafter does not fit params: " + ", ".join(diffs[:5]) + more
-                         + "; restore the drafter with the config of these params")
-    leaves = [new[path[1:]] if path[0] == DRAFTER else v for path, v in full]
+                         + "; restore the drafter with the config of these params, or pass the drafter's config as cfg")
+    leaves = [new[path[1:]] if path[0] == DRAFTER else backbone[path] for path, _ in like]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def restore_with_drafter(backbone_dir, drafter_dir, cfg: ModelConfig | None = None, *,
                          step: int | None = None, drafter_step: int | None = None) -> tuple[ModelConfig, Any]:
     """(config, params) for speculative inference: the backbone of `backbone_dir` (`python -m train`) with the
-    adapted drafter of `drafter_dir` (`python -m train.dspark`); both must hold `cfg` (default: the backbone's)."""
-    cfg, params = restore_params(backbone_dir, cfg, step)
-    return cfg, with_drafter(params, restore_drafter(drafter_dir, cfg, drafter_step))
+    adapted drafter of `drafter_dir` (`python -m train.dspark`). The config is the drafter's (default: the one
+    stored with it); the backbone's may differ from it in `DRAFTER_FIELDS` only (its drafter stages are replaced)."""
+    cfg = load_config(drafter_dir, drafter_step) if cfg is None else cfg
+    stored = load_config(backbone_dir, step)
+    others = [name for name in model_differences(stored, cfg) if name not in DRAFTER_FIELDS]
+    if others:
+        raise ValueError(f"restore_with_drafter: the backbone in {backbone_dir} and the drafter config differ in "
+                         + ", ".join(f"{n} {getattr(stored, n)!r} vs {getattr(cfg, n)!r}" for n in others)
+                         + f"; a drafter may change only {DRAFTER_FIELDS}: adapt it on this backbone "
+                         "(python -m train.dspark --backbone ...)")
+    _, params = restore_params(backbone_dir, cfg.replace(**{f: getattr(stored, f) for f in DRAFTER_FIELDS}), step)
+    return cfg, with_drafter(params, restore_drafter(drafter_dir, cfg, drafter_step), cfg)

@@ -252,3 +252,63 @@ def test_bad_inputs_are_refused(mini_params, tmp_path, capsys):
             for path, v in nnx.to_flat_state(mini_params[model.DRAFTER])]
     with pytest.raises(ValueError, match="markov_embed"):
         checkpoint.with_drafter(mini_params, nnx.from_flat_state(flat))
+
+
+def test_self_distillation_adapts_on_the_targets_rows_and_keeps_its_pool(mini_params, tmp_path, monkeypatch):
+    """data="greedy": the pool is the target's continuations, saved in the run directory, the batches are its
+    rows, and a resumed run reads the pool instead of generating it again."""
+    dc = DSparkTrainConfig(**{**DC.__dict__, "data": "greedy", "distill_rows": 3, "distill_prompt": 24})
+    seen = []
+    real_step = dspark.dspark_step
+    monkeypatch.setattr(dspark, "dspark_step", lambda cfg, dc, state, backbone, tokens: (
+        seen.append(np.asarray(tokens)), real_step(cfg, dc, state, backbone, tokens))[1])
+    corpus = load_corpus().train
+    dspark.adapt(CFG, mini_params, corpus, dc, tmp_path, log=lambda _: None, drafter=mini_params[model.DRAFTER],
+                 until=1)
+    pool = np.load(tmp_path / dspark.POOL)
+    assert pool.shape == (3, dc.seq_len)
+    assert all(any(np.array_equal(row, p) for p in pool) for row in seen[0])
+
+    def regenerate(*args, **kwargs):
+        raise AssertionError("the saved pool was generated again")
+
+    monkeypatch.setattr(dspark, "continuations", regenerate)
+    dspark.adapt(CFG, mini_params, corpus, dc, tmp_path, log=lambda _: None, resume=True, until=2)
+    assert all(any(np.array_equal(row, p) for p in pool) for row in seen[1])
+    with pytest.raises(ValueError, match="DSparkTrainConfig.data='web'"):
+        DSparkTrainConfig(data="web")
+    with pytest.raises(ValueError, match="distill_prompt=32"):
+        DSparkTrainConfig(data="greedy", seq_len=32, distill_prompt=32)
+    with pytest.raises(ValueError, match="distill_temperature=0.0"):
+        DSparkTrainConfig(data="sampled", distill_temperature=0.0)
+
+
+def test_a_drafter_of_three_stages_on_a_backbone_trained_with_one(mini_params, tmp_path):
+    """The stage count is the drafter's: `with_stages` puts a fresh 3-stage drafter on the 1-stage backbone, its
+    checkpoint stores the 3-stage config, and `restore_with_drafter` rebuilds exactly those params."""
+    cfg3, params3 = dspark.with_stages(CFG, mini_params, 3, seed=0)
+    assert cfg3.num_nextn_predict_layers == 3 and CFG.num_nextn_predict_layers == 1
+    assert jax.tree_util.tree_structure(params3) == jax.tree_util.tree_structure(model.abstract_params(cfg3))
+    given, got = _flat(mini_params), _flat(params3)
+    for path, v in got.items():
+        if path[0] != model.DRAFTER:
+            np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(given[path].get_value()))
+    assert len(params3[model.DRAFTER]["stages"]) == 3
+
+    backbone, drafter = tmp_path / "backbone", tmp_path / "drafter"
+    checkpoint.save(backbone, 1, params=mini_params, opt_state={"count": jnp.zeros((), jnp.int32)}, data_step=0,
+                    rng=jax.random.PRNGKey(0), cfg=CFG)
+    checkpoint.save_drafter(drafter, 1, params3[model.DRAFTER], cfg3)
+    cfg, params = checkpoint.restore_with_drafter(backbone, drafter)
+    assert cfg == cfg3
+    for a, b in zip(_values(params), _values(params3)):
+        np.testing.assert_array_equal(a, b)
+
+    with pytest.raises(ValueError, match="stages=0"):
+        dspark.with_stages(CFG, mini_params, 0, seed=0)
+    with pytest.raises(ValueError, match="with_drafter: .*stages"):  # a 3-stage drafter into 1-stage params
+        checkpoint.with_drafter(mini_params, params3[model.DRAFTER])
+    other = tmp_path / "other"
+    checkpoint.save_drafter(other, 1, mini_params[model.DRAFTER], CFG.replace(sliding_window=8))
+    with pytest.raises(ValueError, match="sliding_window 16 vs 8"):  # only the stage count is the drafter's
+        checkpoint.restore_with_drafter(backbone, other)
