@@ -20,6 +20,17 @@ maximises expected committed tokens per second:
 with K over 0 … #active·γ, skipping every K whose w(K) exceeds the widest compiled width. Ties go to
 the smaller K. Fixed γ is the one-width case `widths=(γ+1,)`.
 
+Exactness under sampling. Stochastic acceptance keeps the target's distribution only if whether draft k
+is verified does not depend on draft k itself (nor on later drafts). The confidence c_{k+1} reads
+W1[x_k], so the global argmax above — which weighs draft k's inclusion against options that include
+draft k + 1, whose survival depends on x_k — breaks that: at batch 1 with widths (2, 4) it shifts the
+distribution of the second emitted token measurably (`tests/infer/test_schedule.py`). When sampling,
+`schedule` therefore takes K* as the *first* K whose next ranked draft does not raise τ·SPS: a stopping
+rule, under which draft k of row i is verified depending only on the drafts ranked before it (row i's
+drafts before k, and other rows' drafts, drawn independently of row i's). It can stop below the
+argmax when a wider width pays only after several more drafts. Greedy decoding takes the argmax: its
+output is the target's argmax chain whatever the lengths.
+
 Edge rules:
 - Equal survivals rank row-major (row, then position), so the top K stays a prefix of each row.
 - A survival of exactly 0 adds nothing to τ, so under the tie rule it is verified only when that
@@ -68,10 +79,12 @@ def survival(confidence: Array) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("widths",))
-def schedule(confidence: Array, active: Array, sps: Array, widths: tuple[int, ...]) -> Verify:
+def schedule(confidence: Array, active: Array, sps: Array, widths: tuple[int, ...], sampled: Array | bool = False
+             ) -> Verify:
     """K* and the per-row verify lengths (module docstring) for confidences [B, γ] of the active rows
     [B] bool, with `sps [W]` the measured steps/s of batch size B at each compiled width of `widths`
-    (static, strictly increasing, each in [1, γ+1]). Static shapes, no host sync: one compile per
+    (static, strictly increasing, each in [1, γ+1]); `sampled` (a bool, traced or not): the stopping rule
+    that keeps stochastic acceptance exact, else the argmax. Static shapes, no host sync: one compile per
     (B, γ, widths)."""
     b, gamma = _check_schedule_args(confidence, active, sps, widths)
     surv = survival(confidence)
@@ -86,7 +99,9 @@ def schedule(confidence: Array, active: Array, sps: Array, widths: tuple[int, ..
     # K ≤ #active·γ (later K only add inactive entries); it keeps inactive rows at length 1 (rank ≥ K*).
     fits = (jnp.arange(b * gamma + 1) <= jnp.sum(active) * gamma) & (index < len(widths))
     rate = sps.astype(jnp.float32)[jnp.minimum(index, len(widths) - 1)]
-    best = jnp.argmax(jnp.where(fits, tau * rate, -jnp.inf))  # the first maximum: ties → the smaller K
+    gain = jnp.where(fits, tau * rate, -jnp.inf)
+    stops = jnp.concatenate([gain[1:] <= gain[:-1], jnp.ones(1, bool)])  # the next draft adds nothing
+    best = jnp.where(sampled, jnp.argmax(stops), jnp.argmax(gain))  # first stop / first maximum (ties → smaller K)
     rank = jnp.zeros(b * gamma, jnp.int32).at[order].set(jnp.arange(b * gamma, dtype=jnp.int32))
     lengths = 1 + jnp.sum((rank < best).reshape(b, gamma), axis=1, dtype=jnp.int32)
     return Verify(lengths=lengths, width_index=index[best], tau=tau[best])

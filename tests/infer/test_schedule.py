@@ -17,15 +17,16 @@ WIDTHS = (1, 2, 3, 4)
 FALLING = np.array([10.0, 9.0, 8.0, 5.0], np.float32)  # steps/s at widths 1, 2, 3, 4
 
 
-def run(confidence, active, sps, widths):
+def run(confidence, active, sps, widths, sampled=False):
     lengths, index, tau = schedule(np.asarray(confidence, np.float32), np.asarray(active, bool),
-                                   np.asarray(sps, np.float32), widths)
+                                   np.asarray(sps, np.float32), widths, sampled)
     return np.asarray(lengths), int(index), float(tau)
 
 
-def reference(confidence, active, sps, widths, ties="smaller", order="row", cost="width"):
-    """Plain enumeration over K, float64. Mutants: ties="larger", order="position" (equal survivals
-    spread over rows), cost="widest" (every K priced at the widest width)."""
+def reference(confidence, active, sps, widths, ties="smaller", order="row", cost="width", rule="argmax"):
+    """Plain enumeration over K, float64. `rule="stop"`: the first K whose next K does not gain (sampling).
+    Mutants: ties="larger", order="position" (equal survivals spread over rows), cost="widest" (every K
+    priced at the widest width)."""
     b, gamma = confidence.shape
     s = np.cumprod(confidence.astype(np.float64), axis=1)
     entries = [(-s[i, k], i, k) if order == "row" else (-s[i, k], k, i)
@@ -38,12 +39,16 @@ def reference(confidence, active, sps, widths, ties="smaller", order="row", cost
             counts[entry[1] if order == "row" else entry[2]] += 1
         fitting = [j for j, w in enumerate(widths) if w >= 1 + counts.max()]
         if not fitting:
+            if rule == "stop":
+                break
             continue
         j = fitting[0]
         tau = active.sum() + sum(-entry[0] for entry in entries[:top])
         gain = tau * sps[len(widths) - 1 if cost == "widest" else j]
         if best is None or gain > best[0] or (ties == "larger" and gain == best[0]):
             best = (gain, 1 + counts, j, tau)
+        elif rule == "stop":
+            break
     return best[1:]
 
 
@@ -131,6 +136,70 @@ def test_matches_brute_force_exactly_with_ties(widths):
             got = reference(confidence, active, sps, widths, **kw)
             caught[name] |= not (np.array_equal(got[0], lengths) and got[1] == index)
     assert all(caught.values()), caught
+
+
+@pytest.mark.parametrize("widths", [(1, 2, 3, 5), (2, 4)])
+def test_sampling_rule_matches_brute_force_and_stops_at_the_first_non_gain(widths):
+    rng = np.random.default_rng(3)
+    differ = 0
+    for confidence, active, sps in dyadic_trials(rng, 150, 3, 4, widths):
+        lengths, index, tau = run(confidence, active, sps, widths, sampled=True)
+        want = reference(confidence, active, sps, widths, rule="stop")
+        np.testing.assert_array_equal(lengths, want[0])
+        assert (index, tau) == (want[1], want[2])
+        differ += not np.array_equal(lengths, reference(confidence, active, sps, widths)[0])
+    assert differ, "the stopping rule never differed from the argmax: the comparison cannot fail"
+
+
+def _first_two_tokens(sampled: bool, trials: int) -> tuple[np.ndarray, np.ndarray]:
+    """Speculative sampling at batch 1 through the real `schedule` and `accept`, vectorised over `trials`
+    independent runs of two steps: the first two emitted tokens [trials, 2] and the verify lengths [2 · trials].
+    Target p and draft q are fixed distributions over 4 tokens; the drafter's confidence c_k reads the
+    previous token x_{k−1} (as DSpark's does through W1[x_{k−1}]), 0.3 after token 0, else 0.98."""
+    import jax
+    import jax.numpy as jnp
+
+    from infer.speculative import accept
+
+    v, gamma, widths, sps = 4, 3, (2, 4), jnp.array([1.0, 0.7])
+    p, q, c = P_TARGET, jnp.array([0.1, 0.2, 0.3, 0.4]), jnp.array([0.3, 0.98, 0.98, 0.98])
+    lengths_of = jax.vmap(lambda conf: schedule(conf[None], jnp.ones(1, bool), sps, widths, sampled).lengths[0])
+    key, rows = jax.random.PRNGKey(0), jnp.arange(trials)
+    anchor, count = jnp.zeros(trials, jnp.int32), jnp.zeros(trials, jnp.int32)
+    out, used = jnp.zeros((trials, 2), jnp.int32), []
+    for _ in range(2):
+        key, k_draft, k_accept = jax.random.split(key, 3)
+        drafts = jax.random.categorical(k_draft, jnp.log(q), shape=(trials, gamma)).astype(jnp.int32)
+        lengths = lengths_of(c[jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)])
+        used.append(lengths)
+        n, bonus = accept(jnp.broadcast_to(p, (trials, gamma + 1, v)), jnp.broadcast_to(q, (trials, gamma, v)),
+                          drafts, lengths - 1, k_accept)
+        emitted = jnp.where(jnp.arange(gamma + 1) < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
+        for i in range(gamma + 1):
+            col = jnp.minimum(count + i, 1)
+            out = out.at[rows, col].set(jnp.where((i <= n) & (count + i < 2), emitted[:, i], out[rows, col]))
+        anchor, count = bonus, count + n + 1
+    return np.asarray(out), np.concatenate(used)
+
+
+P_TARGET = np.array([0.4, 0.3, 0.2, 0.1])
+
+
+def test_sampling_stays_exact_when_confidences_read_the_previous_draft():
+    """With widths (2, 4) at batch 1, the argmax verifies draft 2 depending on c_3, i.e. on draft 2 itself, and
+    the second token drifts from p (p-value ~1e-80 at 100 000 trials); the stopping rule keeps both tokens on p
+    while still verifying three drafts in most steps."""
+    from scipy import stats
+
+    trials = 100_000
+    for sampled in (True, False):
+        tokens, lengths = _first_two_tokens(sampled, trials)
+        pvalues = [stats.chisquare(np.bincount(tokens[:, j], minlength=4), P_TARGET * trials).pvalue for j in (0, 1)]
+        if sampled:
+            assert min(pvalues) > 1e-3, pvalues
+            assert 0.2 < np.mean(lengths == 4) < 0.8, np.mean(lengths == 4)  # both widths in use
+        else:
+            assert pvalues[1] < 1e-12, pvalues  # the argmax is the planted mutant
 
 
 def test_matches_brute_force_on_continuous_confidences():
