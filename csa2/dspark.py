@@ -21,6 +21,21 @@ Heads: Markov `logits_k = U_k + W2·W1[x_{k−1}]` (x_{−1} = anchor), sampled 
 The context is strictly before C, in training as at inference: C is sampled, not yet run through the
 target, so its own features do not exist when the drafter runs. (NeMo Automodel's "anchor" is the last
 processed position L − 1, so its training mask shows each block the same window.)
+
+Context under bounded replay (SPEC §11). The target layers lie in the decoder, so a prefill with replay window R
+writes context only for its decoder tail, and `window_rows` masks the positions below `State.floor`. With R < W,
+`model.prefill` then `model.draft` gives the first drafts R context rows instead of W, until the decoded positions
+fill the window above the floor. `infer.speculative` avoids this: it prefills with `csa2.replay.drafting_replay`
+(R raised to W; see there for chunks and prefix hits). With R ≥ W no row is masked, but the oldest are
+approximate: target layer ℓ computes position p with decoder windows cut at the floor unless
+p ≥ floor + (ℓ − split)·(W − 1), so the context equals exact mode's only from R ≥ W + (max target − split)·(W − 1)
+(61 for mini, 125 for demo, 2541 for the release; `tests/csa2/test_dspark.py`). Measured on the `make demo`
+checkpoint (W = 32, γ = 5, greedy, 95 % intervals over held-out 128-token prompts), the loss is small against
+the demo drafter's noise: decoding 64 tokens after a prefill with R = 8 / 16 as given, the mean acceptance length
+is 1.59 [1.46, 1.77] / 1.60 [1.47, 1.79] against exact prefill's 1.56 [1.45, 1.72] (n = 32; paired differences
++0.03 [−0.03, 0.13] / +0.04 [−0.01, 0.14], the target's own tokens change too); the first step after an exact
+prefill, with the drafter alone limited to the last 8 / 16 of its 32 context rows, loses 0.06 [−0.19, 0.03] /
+0.09 [−0.20, 0.00] of its 1.61 [1.41, 1.82] (n = 128).
 """
 
 from __future__ import annotations

@@ -105,6 +105,38 @@ def token_layers(cfg: ModelConfig, policy: ReplayPolicy, n: int) -> int:
     return every * n + (layers - every) * t
 
 
+def drafting_replay(cfg: ModelConfig, policy: ReplayPolicy) -> ReplayPolicy:
+    """The policy a caller that drafts (SPEC §12) prefills with: `policy` with its window raised to the sliding
+    window W when R < W, i.e. `ReplayPolicy(window=max(R, W))` with the same split and short-extend mode; exact
+    stays exact and R ≥ W is returned as it is.
+
+    Why: the drafter reads the context `[L − W, L − 1]`, and a position has drafter features only if it ran
+    through the target layers, which lie from the split on, i.e. only on the decoder tail under replay. With
+    R < W the first drafts after a prompt would see R rows (`csa2.dspark.window_rows` masks the rest, below the
+    floor), and nothing short of running the decoder layers on the missing rows can make their features. The
+    raised window also changes what the target computes: its decoder windows on the last rows reach W back, so a
+    drafting caller's greedy output equals `infer.generate` with this policy, not with `policy`.
+
+    What it guarantees, T = min(max(R, W), end − start) the decoder tail of an extend `[start, end)`:
+    - a cold prompt of N tokens (one call, or chunks passing `Extend.cold(N)`): the tail is `[N − T, N)` and the
+      floor `max(N − max(R, W), 0)`, at most `N − W` (0 when R ≥ N: every row runs the decoder, as in exact mode);
+    - a prefix hit without its snapshot (`Extend.replaying` with this policy): the extend starts at most T tokens
+      before `end`, so the tail is again the prompt's last T positions and the floor at most `end − W`;
+    - a snapshot hit under "borrow": the floor is `max(end − max(R, W), 0)`; the window's rows before the hit are
+      the snapshot's context windows, written by the prefix's own prefill (complete if it used this policy too).
+      Under "truncate" an extend shorter than max(R, W) floors the decoder at the hit, and the drafter with it:
+      the rows in `[end − W, hit)` stay masked whatever R is. No caller drafts after a prefix hit today
+      (`infer.prefix_cache.prefill` has no speculative entry; `infer.speculative` prefills cold prompts).
+    The oldest context rows are still approximate: a target layer ℓ past the split computes position p from
+    decoder windows cut at the floor unless p ≥ floor + (ℓ − split)·(W − 1) (SPEC §11; `csa2.dspark`).
+    """
+    if not isinstance(policy, ReplayPolicy):
+        raise ValueError(f"policy={policy!r}: pass a csa2.replay.ReplayPolicy (EXACT for the reference mode)")
+    if policy.exact or policy.window >= cfg.sliding_window:
+        return policy
+    return dataclasses.replace(policy, window=cfg.sliding_window)
+
+
 @chex.dataclass(frozen=True)
 class Extend:
     """The extend a prefill chunk belongs to: per row, the positions `[start, end)` (`[B]` each) fed to the

@@ -37,7 +37,7 @@ import numpy as np
 
 from csa2 import model
 from csa2.config import EOS_ID, PAD_ID, ModelConfig
-from csa2.replay import ReplayPolicy
+from csa2.replay import ReplayPolicy, drafting_replay
 from csa2.sampling import distribution, sample
 from csa2.state import State, init_state, token_granule, validate_state_args
 from infer import generate
@@ -118,7 +118,8 @@ def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, ke
 
     `widths`: the compiled verify widths; one width runs fixed γ = width − 1, several run the confidence
     schedule with `sps [len(widths)]` the steps/s of this batch at each. Inputs come from
-    `speculative_generate` (it validates); this function checks nothing.
+    `speculative_generate` (it validates, and raises a replay window below W with `drafting_replay`); this
+    function checks nothing and prefills with `replay` as given.
     """
     b, gamma = tokens.shape[0], cfg.dspark_block_size
     state = init_state(cfg, b, capacity, cache_format)
@@ -207,6 +208,12 @@ def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarra
     Arguments as `infer.generate.generate`, plus `gamma` (fixed drafts per verify, default
     `dspark_block_size`) or `sps` (a measured `SpsTable`: confidence-scheduled verify lengths over its
     widths, SPEC §12); not both.
+
+    `replay`: the prompts are prefilled with `csa2.replay.drafting_replay(cfg, replay)`, a decoder replay of at
+    least the sliding window W: a window R < W runs as `ReplayPolicy(window=W)` (exact stays exact). The drafter's
+    first context `[L − W, L − 1]` needs decoder features of W prompt rows, and only running the decoder on them
+    makes them; with R < W as given the first drafts would see R rows (`csa2.dspark` gives the acceptance lost).
+    So greedy output with R < W equals `generate` with the raised window, not with R.
     """
     if not cfg.num_nextn_predict_layers:
         raise ValueError("num_nextn_predict_layers=0: this config has no DSpark drafter; speculative decoding "
@@ -238,8 +245,8 @@ def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarra
                          f"({need} positions) exceeds max_position_embeddings={cfg.max_position_embeddings}")
     validate_state_args(cfg, len(p.n_valid), capacity, cache_format)
     out, count, state, stats = speculative_loop(
-        cfg, params, *p.traced(), rates, capacity=capacity, max_new_tokens=p.max_new_tokens, replay=p.replay,
-        cache_format=p.cache_format, widths=widths)
+        cfg, params, *p.traced(), rates, capacity=capacity, max_new_tokens=p.max_new_tokens,
+        replay=drafting_replay(cfg, p.replay), cache_format=p.cache_format, widths=widths)
     stats = jax.device_get(stats)
     return SpecResult(tokens=np.asarray(out), lengths=np.asarray(count), state=state, steps=int(stats["steps"]),
                       accepted=stats["accepted"], row_steps=stats["row_steps"],

@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from csa2 import dspark, model
+from csa2 import dspark, model, replay
+from csa2.chunk import Chunk
 from csa2.config import preset
 from csa2.params import arrays
+from csa2.replay import Extend, ReplayPolicy
 from csa2.state import init_state
 from tests.csa2.helpers import keep, tokens
 
@@ -165,3 +167,159 @@ def test_draft_without_a_drafter_raises_value_error(mini_params, prefilled):
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
         model.draft(MINI.replace(num_nextn_predict_layers=0), mini_params, prefilled[1], prefilled[2],
                     jax.random.PRNGKey(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter's context under bounded replay (SPEC §11): rows below the floor have no features
+
+W = MINI.sliding_window
+SPLIT = MINI.first_decoder_layer
+# The smallest R whose drafter context equals exact mode's: the last target layer's features are exact from
+# W − 1 positions per decoder layer above the floor (see the test below), and the context starts W below length.
+R_EXACT_CONTEXT = W + (max(MINI.dspark_target_layer_ids) - SPLIT) * (W - 1)  # 61 for mini
+LONG = jnp.asarray([80, 70], jnp.int32)  # prompt lengths, both above R_EXACT_CONTEXT
+LONG_CAP = 128
+
+
+@pytest.fixture(scope="module")
+def long_exact(mini_params):
+    """Exact prefill of prompts of `LONG` tokens (float cache): prompt, state, greedy anchor, its draft logits."""
+    prompt = tokens(21, (B, int(LONG.max())))
+    logits, state, _ = model.prefill(MINI, mini_params, init_state(MINI, B, LONG_CAP, "float"), prompt, LONG,
+                                     replay=model.EXACT)
+    anchor = jnp.argmax(logits, -1).astype(jnp.int32)
+    return prompt, state, anchor, model.draft(MINI, mini_params, state, anchor, jax.random.PRNGKey(0)).logits
+
+
+def _replayed(params, long_exact, window):
+    """The state after a prefill of the same prompts with replay window `window`, and its draft logits after the
+    exact prefill's anchor (so only the drafter's context differs)."""
+    prompt, _, anchor, _ = long_exact
+    _, state, _ = model.prefill(MINI, params, init_state(MINI, B, LONG_CAP, "float"), prompt, LONG,
+                                replay=ReplayPolicy(window=window))
+    return state, model.draft(MINI, params, state, anchor, jax.random.PRNGKey(0)).logits
+
+
+def _context_positions(length):
+    return np.asarray(length)[:, None] - W + np.arange(W)  # [B, W]: [L − W, L − 1]
+
+
+def test_replay_below_the_window_masks_the_context_below_the_floor(mini_params, long_exact):
+    """Model level, R = 8 < W = 16 (`model.prefill` as called; `speculative_generate` would raise R to W): the floor
+    is length − R, `window_rows` masks exactly the context rows below it, the R rows above it are those of the ring,
+    and the draft logits differ from the exact prefill's: the first drafts after such a prompt lose context."""
+    _, _, _, exact = long_exact
+    r = 8
+    state, got = _replayed(mini_params, long_exact, r)
+    np.testing.assert_array_equal(state.floor, LONG - r)
+    rows = np.asarray(dspark.window_rows(state.length, state.floor, W, state.draft.rows))
+    pos = _context_positions(state.length)
+    below = pos < (np.asarray(LONG) - r)[:, None]
+    np.testing.assert_array_equal(rows == -1, below)
+    np.testing.assert_array_equal(rows[~below], (pos % state.draft.rows)[~below])
+    assert np.max(np.abs(np.asarray(got) - np.asarray(exact))) > 1e-1
+
+
+def test_replay_of_the_window_fills_the_context_with_approximate_rows(mini_params, long_exact):
+    """R = W: no context row lies below the floor (none is masked), yet the draft logits still differ from exact
+    mode's, and legitimately: rows near the floor ran the decoder with windows cut at the floor (SPEC §11), so
+    their target features are not exact mode's (the next test gives the bound). From R = 61 (`R_EXACT_CONTEXT`)
+    on, the context `[L − W, L − 1]` is all exact: the ring holds exact mode's entries there and the draft logits
+    equal exact mode's to float rounding."""
+    _, exact_state, _, exact = long_exact
+    state, got = _replayed(mini_params, long_exact, W)
+    np.testing.assert_array_equal(state.floor, LONG - W)
+    assert np.all(np.asarray(dspark.window_rows(state.length, state.floor, W, state.draft.rows)) >= 0)
+    assert np.max(np.abs(np.asarray(got) - np.asarray(exact))) > 1e-2
+    state, got = _replayed(mini_params, long_exact, R_EXACT_CONTEXT)
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+    context = _context_positions(state.length) % state.draft.rows  # [B, W] ring rows of [L − W, L − 1]
+    ring = lambda s: np.take_along_axis(np.asarray(s.draft.payload), context[:, None, :, None], axis=2)  # noqa: E731
+    np.testing.assert_allclose(ring(state), ring(exact_state), rtol=1e-5, atol=1e-5)
+
+
+def test_replayed_target_features_are_exact_from_one_window_per_decoder_layer_above_the_floor(mini_params):
+    """Why R = W is not enough for exact context rows, float model (`forward(features=True)`, where FP8 storage
+    cannot hide a small difference), R = 50 on 80 tokens (floor 30): target layer ℓ's feature at position p (its
+    attention-site input, computed by layers up to ℓ − 1) equals exact mode's iff p ≥ floor + (ℓ − split)·(W − 1).
+    The split layer's window at p reaches back to p − W + 1, which must not be below the floor; each decoder layer
+    after it reads the previous layer's outputs over one more window. With the context starting at L − W, the
+    drafter's rows are all exact from R ≥ W + (max target − split)·(W − 1): 61 for mini, 125 for `demo`, 2541 for
+    the release (W = 128, split 20, targets up to 39)."""
+    n, r = 80, 50
+    seq = tokens(22, (B, n))
+    _, exact = model.forward(MINI, mini_params, seq, features=True)
+    _, replayed = model.forward(MINI, mini_params, seq, features=True, replay=ReplayPolicy(window=r))
+    floor = n - r
+    diff = np.abs(np.asarray(replayed["features"]) - np.asarray(exact["features"])[:, floor:]).max(-1)  # [B, R, n_t]
+    for j, layer in enumerate(MINI.dspark_target_layer_ids):
+        first = (layer - SPLIT) * (W - 1)  # the first exact row of the tail
+        assert diff[:, first:, j].max() < 2e-7, (layer, diff[:, first:, j].max())
+        assert diff[:, :first, j].min() > 2e-7, (layer, diff[:, :first, j].min())
+
+
+def _fed(policy, start, end, floor, hit=None, chunk=None):
+    """Feed positions `[start, end)` of one row as one extend (in chunks of `chunk` columns) on a row whose
+    decoder floor is `floor`, through `replay.plan` (what `model.prefill` computes, without the model): the first
+    position that runs the decoder layers and the floor after the last chunk."""
+    extend = Extend(start=jnp.asarray([start]), end=jnp.asarray([end]),
+                    hit=None if hit is None else jnp.asarray([hit]))
+    s = chunk or end - start
+    floor, first = jnp.asarray([floor], jnp.int32), None
+    for c in range(start, end, s):
+        n = min(s, end - c)
+        step = replay.plan(MINI, policy, Chunk(start=jnp.asarray([c]), n_valid=jnp.asarray([n]), floor=floor), s,
+                           floor, extend)
+        floor = step.tail.chunk.floor
+        if first is None and int(step.tail.chunk.n_valid[0]) > 0:
+            first = int(step.tail.chunk.start[0])
+    return first, int(floor[0])
+
+
+def _masked(length, floor):
+    """The context positions `[L − W, L − 1]` that `window_rows` masks (negative ones included)."""
+    pos = length - W + np.arange(W)
+    slots = W + MINI.max_draft + 1  # `State.draft`'s ring
+    rows = np.asarray(dspark.window_rows(jnp.asarray([length]), jnp.asarray([floor]), W, slots))[0]
+    return pos[rows == -1]
+
+
+@pytest.mark.parametrize("chunk", [None, 7], ids=["one_call", "chunks_of_7"])
+def test_drafting_replay_gives_the_drafter_a_whole_window(chunk):
+    """`replay.drafting_replay` (what speculative decoding prefills with), by the replay plan alone: a cold prompt of
+    N tokens (shorter than W, W, longer, R larger than the prompt; one call or chunks of one extend) runs the decoder
+    on its last W positions at least, and the drafter's first context is masked nowhere (only below position 0);
+    as given, R < W masks exactly the positions below N − R. A prefix hit without its snapshot (encoder replay)
+    and a snapshot hit under "borrow" keep the whole window too; under "truncate" a short extend floors the drafter
+    at the hit whatever R is (documented, `drafting_replay`)."""
+    assert replay.drafting_replay(MINI, model.EXACT) is model.EXACT
+    wide = ReplayPolicy(window=W + 1)
+    assert replay.drafting_replay(MINI, wide) is wide
+    assert replay.drafting_replay(MINI, ReplayPolicy(window=3, split_layer=5, short_extend="borrow")) == \
+        ReplayPolicy(window=W, split_layer=5, short_extend="borrow")
+    with pytest.raises(ValueError, match="policy=8: pass a csa2.replay.ReplayPolicy"):
+        replay.drafting_replay(MINI, 8)
+    for n in (5, W, 40, 150):
+        for r in (1, 8, W - 1, W, 40, 1000, None):
+            given = model.EXACT if r is None else ReplayPolicy(window=r)
+            first, floor = _fed(replay.drafting_replay(MINI, given), 0, n, 0, chunk=chunk)
+            assert first <= max(n - W, 0) and floor == (0 if r is None else max(n - max(r, W), 0)), (n, r)
+            assert np.all(_masked(n, floor) < 0), (n, r)
+            if r is not None and r < W:
+                _, floor = _fed(given, 0, n, 0, chunk=chunk)
+                np.testing.assert_array_equal(_masked(n, floor), np.arange(n - W, max(n - r, 0)))
+    for hit, end in ((32, 35), (32, 80), (100, 101)):
+        for r in (1, 8, W, 40):
+            raised = replay.drafting_replay(MINI, ReplayPolicy(window=r))
+            ext = Extend.replaying(MINI, raised, jnp.asarray([hit]), jnp.asarray([end]))
+            start = int(ext.start[0])  # `PrefixCache.restore` sets the row's length and floor to it
+            first, floor = _fed(raised, start, end, start, hit=hit, chunk=chunk)
+            assert first <= end - W and floor <= end - W and np.all(_masked(end, floor) < 0), (hit, end, r)
+            for mode in ("borrow", "truncate"):  # a snapshot hit: the prefix's prefill, then the extend [hit, end)
+                policy = replay.drafting_replay(MINI, ReplayPolicy(window=r, short_extend=mode))
+                prefix_first, prefix_floor = _fed(policy, 0, hit, 0, chunk=chunk)
+                _, floor = _fed(policy, hit, end, prefix_floor, hit=hit, chunk=chunk)
+                if mode == "borrow" or end - hit >= policy.window:
+                    assert prefix_first <= end - W and np.all(_masked(end, floor) < 0), (hit, end, r, mode)
+                else:
+                    assert floor == hit, (hit, end, r, mode)

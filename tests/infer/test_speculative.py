@@ -15,6 +15,7 @@ from scipy import stats
 
 from csa2 import model
 from csa2.config import preset
+from csa2.replay import ReplayPolicy
 from csa2.tokenizer import encode
 from infer import speculative as spec_module
 from infer.generate import Sampling, generate
@@ -91,6 +92,26 @@ def test_scheduled_widths_keep_greedy_output_and_eos(params, plain):
     spec = speculative_generate(MINI, params, _prompts(texts, 3), max_new_tokens=NEW, eos_id=eos, sps=table)
     assert ref.lengths[0] <= NEW // 2 + 1
     _assert_same_output(spec, ref)
+
+
+# Prompts of 53, 33 and 4 tokens: two longer than mini's window W = 16, one shorter.
+LONG_PROMPTS = ("hello world, " * 4, "abcdefgh" * 4, "xyz")
+
+
+def test_speculative_prefill_replays_at_least_the_window(params):
+    """A replay window R < W prefills as R = W (`csa2.replay.drafting_replay`): the drafter's first context needs W
+    rows of decoder features. Greedy, R = 4 gives the tokens and acceptance statistics of R = W, and the decoder
+    floor is max(length − W, 0) (R = 4 as given would leave it at length − 4 and the drafter 4 context rows)."""
+    prompts = _prompts(LONG_PROMPTS, 3)
+    w = MINI.sliding_window
+    narrow, whole = (speculative_generate(MINI, params, prompts, max_new_tokens=NEW, eos_id=None,
+                                          replay=ReplayPolicy(window=r)) for r in (4, w))
+    _assert_same_output(narrow, whole)
+    for name in ("steps", "accepted", "row_steps", "position_accepts", "position_tries", "widths"):
+        np.testing.assert_array_equal(getattr(narrow, name), getattr(whole, name), err_msg=name)
+    assert whole.accepted.sum() > 0
+    lengths = np.asarray([len(p) for p in prompts])
+    np.testing.assert_array_equal(narrow.state.floor, np.maximum(lengths - w, 0))  # no decode step moves it
 
 
 def test_greedy_acceptance_rule():
