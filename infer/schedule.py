@@ -25,11 +25,14 @@ is verified does not depend on draft k itself (nor on later drafts). The confide
 W1[x_k], so the global argmax above — which weighs draft k's inclusion against options that include
 draft k + 1, whose survival depends on x_k — breaks that: at batch 1 with widths (2, 4) it shifts the
 distribution of the second emitted token measurably (`tests/infer/test_schedule.py`). When sampling,
-`schedule` therefore takes K* as the *first* K whose next ranked draft does not raise τ·SPS: a stopping
-rule, under which draft k of row i is verified depending only on the drafts ranked before it (row i's
-drafts before k, and other rows' drafts, drawn independently of row i's). It can stop below the
-argmax when a wider width pays only after several more drafts. Greedy decoding takes the argmax: its
-output is the target's argmax chain whatever the lengths.
+`schedule` therefore decides position by position: for m = 1 … γ, among the rows that verify every
+draft before m, it adds the r rows of highest survival s_m (r = 0 … all of them) that maximise
+τ · SPS(B, w), w the smallest compiled width ≥ 1 + m once any row reaches m, and stops at the first m
+where r = 0. s_m reads drafts before m only, and other rows' drafts are drawn independently of row i's,
+so whether row i verifies draft m never depends on draft m or a later one: acceptance stays exact. A
+whole position weighs against a width step at once, so at large batch it widens where the argmax does;
+it cannot look past m, so at batch 1 it widens only when the next draft alone pays for the wider block.
+Greedy decoding takes the argmax: its output is the target's argmax chain whatever the lengths.
 
 Edge rules:
 - Equal survivals rank row-major (row, then position), so the top K stays a prefix of each row.
@@ -83,8 +86,8 @@ def schedule(confidence: Array, active: Array, sps: Array, widths: tuple[int, ..
              ) -> Verify:
     """K* and the per-row verify lengths (module docstring) for confidences [B, γ] of the active rows
     [B] bool, with `sps [W]` the measured steps/s of batch size B at each compiled width of `widths`
-    (static, strictly increasing, each in [1, γ+1]); `sampled` (a bool, traced or not): the stopping rule
-    that keeps stochastic acceptance exact, else the argmax. Static shapes, no host sync: one compile per
+    (static, strictly increasing, each in [1, γ+1]); `sampled` (a bool, traced or not): the position-by-position
+    rule that keeps stochastic acceptance exact, else the argmax. Static shapes, no host sync: one compile per
     (B, γ, widths)."""
     b, gamma = _check_schedule_args(confidence, active, sps, widths)
     surv = survival(confidence)
@@ -99,12 +102,32 @@ def schedule(confidence: Array, active: Array, sps: Array, widths: tuple[int, ..
     # K ≤ #active·γ (later K only add inactive entries); it keeps inactive rows at length 1 (rank ≥ K*).
     fits = (jnp.arange(b * gamma + 1) <= jnp.sum(active) * gamma) & (index < len(widths))
     rate = sps.astype(jnp.float32)[jnp.minimum(index, len(widths) - 1)]
-    gain = jnp.where(fits, tau * rate, -jnp.inf)
-    stops = jnp.concatenate([gain[1:] <= gain[:-1], jnp.ones(1, bool)])  # the next draft adds nothing
-    best = jnp.where(sampled, jnp.argmax(stops), jnp.argmax(gain))  # first stop / first maximum (ties → smaller K)
+    best = jnp.argmax(jnp.where(fits, tau * rate, -jnp.inf))  # the first maximum: ties → the smaller K
     rank = jnp.zeros(b * gamma, jnp.int32).at[order].set(jnp.arange(b * gamma, dtype=jnp.int32))
     lengths = 1 + jnp.sum((rank < best).reshape(b, gamma), axis=1, dtype=jnp.int32)
-    return Verify(lengths=lengths, width_index=index[best], tau=tau[best])
+    exact = _by_position(surv, active, sps, widths)
+    return jax.tree.map(lambda e, a: jnp.where(sampled, e, a), exact,
+                        Verify(lengths=lengths, width_index=index[best], tau=tau[best]))
+
+
+def _by_position(surv: Array, active: Array, sps: Array, widths: tuple[int, ...]) -> Verify:
+    """The sampling rule (module docstring): position m = 1 … γ in turn adds the r rows of highest s_m among those
+    at length m that maximise τ·SPS (ties → the smaller r); no row goes past a position where r = 0."""
+    b, gamma = surv.shape
+    rates, compiled = sps.astype(jnp.float32), jnp.asarray(widths, jnp.int32)
+    r = jnp.arange(b + 1)
+    lengths, tau, index = jnp.ones(b, jnp.int32), jnp.sum(active, dtype=jnp.float32), jnp.int32(0)
+    for m in range(1, gamma + 1):
+        eligible = active & (lengths == m)  # verifies every draft before m
+        order = jnp.argsort(-jnp.where(eligible, surv[:, m - 1], -jnp.inf), stable=True)
+        gained = jnp.concatenate([jnp.zeros(1), jnp.cumsum(jnp.where(eligible, surv[:, m - 1], 0.0)[order])])
+        need = jnp.searchsorted(compiled, 1 + m).astype(jnp.int32)  # len(widths): no width holds m drafts
+        wider = jnp.where(r > 0, jnp.maximum(index, need), index)
+        fits = (r <= jnp.sum(eligible)) & (wider < len(widths))
+        take = jnp.argmax(jnp.where(fits, (tau + gained) * rates[jnp.minimum(wider, len(widths) - 1)], -jnp.inf))
+        lengths = lengths + jnp.zeros(b, jnp.int32).at[order].set((r[:-1] < take).astype(jnp.int32))
+        tau, index = tau + gained[take], wider[take]
+    return Verify(lengths=lengths, width_index=index, tau=tau)
 
 
 def _check_schedule_args(confidence, active, sps, widths) -> tuple[int, int]:

@@ -152,7 +152,7 @@ def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, ke
         if len(widths) == 1:
             which, lengths = jnp.int32(0), jnp.full((b,), widths[0], jnp.int32)
         else:
-            lengths, which, _ = schedule(proposal.confidence, ~done, sps, widths)
+            lengths, which, _ = schedule(proposal.confidence, ~done, sps, widths, temperature > 0)
         block = jnp.concatenate([anchor[:, None], proposal.tokens], axis=1)  # [B, γ + 1]
         logits, state_v = jax.lax.switch(which, branches, state, block)
         width = jnp.asarray(widths, jnp.int32)[which]

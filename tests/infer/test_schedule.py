@@ -23,10 +23,9 @@ def run(confidence, active, sps, widths, sampled=False):
     return np.asarray(lengths), int(index), float(tau)
 
 
-def reference(confidence, active, sps, widths, ties="smaller", order="row", cost="width", rule="argmax"):
-    """Plain enumeration over K, float64. `rule="stop"`: the first K whose next K does not gain (sampling).
-    Mutants: ties="larger", order="position" (equal survivals spread over rows), cost="widest" (every K
-    priced at the widest width)."""
+def reference(confidence, active, sps, widths, ties="smaller", order="row", cost="width"):
+    """Plain enumeration over K, float64. Mutants: ties="larger", order="position" (equal survivals
+    spread over rows), cost="widest" (every K priced at the widest width)."""
     b, gamma = confidence.shape
     s = np.cumprod(confidence.astype(np.float64), axis=1)
     entries = [(-s[i, k], i, k) if order == "row" else (-s[i, k], k, i)
@@ -39,17 +38,38 @@ def reference(confidence, active, sps, widths, ties="smaller", order="row", cost
             counts[entry[1] if order == "row" else entry[2]] += 1
         fitting = [j for j, w in enumerate(widths) if w >= 1 + counts.max()]
         if not fitting:
-            if rule == "stop":
-                break
             continue
         j = fitting[0]
         tau = active.sum() + sum(-entry[0] for entry in entries[:top])
         gain = tau * sps[len(widths) - 1 if cost == "widest" else j]
         if best is None or gain > best[0] or (ties == "larger" and gain == best[0]):
             best = (gain, 1 + counts, j, tau)
-        elif rule == "stop":
-            break
     return best[1:]
+
+
+def by_position(confidence, active, sps, widths):
+    """The sampling rule, float64, written out: for m = 1 … γ, the rows at length m ranked by s_m (ties by row),
+    every count r of them tried, the first best τ·SPS kept; stop at the first m that adds none."""
+    b, gamma = confidence.shape
+    s = np.cumprod(confidence.astype(np.float64), axis=1)
+    lengths, tau, j = np.ones(b, np.int64), float(active.sum()), 0
+    for m in range(1, gamma + 1):
+        rows = sorted((i for i in range(b) if active[i] and lengths[i] == m), key=lambda i: (-s[i, m - 1], i))
+        best = (tau * sps[j], 0, j)
+        need = next((k for k, w in enumerate(widths) if w >= 1 + m), None)
+        for r in range(1, len(rows) + 1):
+            if need is None:
+                break
+            wider = max(j, need)
+            gain = (tau + sum(s[i, m - 1] for i in rows[:r])) * sps[wider]
+            if gain > best[0]:
+                best = (gain, r, wider)
+        if best[1] == 0:
+            break
+        lengths[rows[:best[1]]] += 1
+        tau += sum(s[i, m - 1] for i in rows[:best[1]])
+        j = best[2]
+    return lengths, j, tau
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,16 +159,26 @@ def test_matches_brute_force_exactly_with_ties(widths):
 
 
 @pytest.mark.parametrize("widths", [(1, 2, 3, 5), (2, 4)])
-def test_sampling_rule_matches_brute_force_and_stops_at_the_first_non_gain(widths):
+def test_sampling_rule_matches_its_written_out_form(widths):
     rng = np.random.default_rng(3)
     differ = 0
     for confidence, active, sps in dyadic_trials(rng, 150, 3, 4, widths):
         lengths, index, tau = run(confidence, active, sps, widths, sampled=True)
-        want = reference(confidence, active, sps, widths, rule="stop")
+        want = by_position(confidence, active, sps, widths)
         np.testing.assert_array_equal(lengths, want[0])
         assert (index, tau) == (want[1], want[2])
+        assert lengths.max() <= widths[index]
         differ += not np.array_equal(lengths, reference(confidence, active, sps, widths)[0])
-    assert differ, "the stopping rule never differed from the argmax: the comparison cannot fail"
+    assert differ, "the sampling rule never differed from the argmax: the comparison cannot fail"
+
+
+def test_sampling_rule_widens_for_a_whole_position_at_large_batch():
+    """64 rows, widths (2, 3) at 30 / 27 steps/s: no single second draft pays for the wider block, a whole position
+    does; the sampling rule takes it, as the argmax does."""
+    confidence = np.full((64, 2), 0.75, np.float32)
+    for sampled in (True, False):
+        lengths, index, _ = run(confidence, np.ones(64, bool), [30.0, 27.0], (2, 3), sampled)
+        assert index == 1 and np.all(lengths == 3), (sampled, lengths)
 
 
 def _first_two_tokens(sampled: bool, trials: int) -> tuple[np.ndarray, np.ndarray]:
@@ -187,8 +217,8 @@ P_TARGET = np.array([0.4, 0.3, 0.2, 0.1])
 
 def test_sampling_stays_exact_when_confidences_read_the_previous_draft():
     """With widths (2, 4) at batch 1, the argmax verifies draft 2 depending on c_3, i.e. on draft 2 itself, and
-    the second token drifts from p (p-value ~1e-80 at 100 000 trials); the stopping rule keeps both tokens on p
-    while still verifying three drafts in most steps."""
+    the second token drifts from p (p-value ~1e-80 at 100 000 trials); the sampling rule keeps both tokens on p
+    while still verifying three drafts in a good share of steps."""
     from scipy import stats
 
     trials = 100_000
