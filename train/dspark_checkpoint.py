@@ -44,7 +44,7 @@ class Recipe:
     preset: str = "demo"
     backbone_steps: int = 240
     stages: int = 1
-    dspark: DSparkTrainConfig = DSparkTrainConfig(steps=600, data="greedy")
+    dspark: DSparkTrainConfig = DSparkTrainConfig(steps=1800, anchors=16, data="greedy")
 
 
 DEFAULT = Recipe()

@@ -275,6 +275,9 @@ def test_self_distillation_adapts_on_the_targets_rows_and_keeps_its_pool(mini_pa
     monkeypatch.setattr(dspark, "continuations", regenerate)
     dspark.adapt(CFG, mini_params, corpus, dc, tmp_path, log=lambda _: None, resume=True, until=2)
     assert all(any(np.array_equal(row, p) for p in pool) for row in seen[1])
+    with pytest.raises(AssertionError, match="generated again"):  # a pool of another recipe is not reused
+        dspark._pool(CFG, DSparkTrainConfig(**{**dc.__dict__, "data": "sampled"}), mini_params, corpus, tmp_path,
+                     lambda _: None)
     with pytest.raises(ValueError, match="DSparkTrainConfig.data='web'"):
         DSparkTrainConfig(data="web")
     with pytest.raises(ValueError, match="distill_prompt=32"):
