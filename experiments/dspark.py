@@ -361,34 +361,6 @@ def confidence_by_position(d: Decoded, **kw) -> list[stats.Interval]:
 # Fixed γ against the confidence schedule: tokens per verify step, tokens per second, cost ratios
 
 
-def decode_rate(cfg: ModelConfig, params, batch: int, context: int, steps: int) -> float:
-    """Steady steps/s of one plain decode step of `batch` rows (`model.decode_step`, greedy), `steps` steps in one
-    jitted loop on a state prefilled with `context` random tokens per row, compile and prefill excluded: what
-    `infer.bench_spec.step_rate` measures for a speculative step, with its prompt, timing and the capacity it uses
-    at the widest verify block (γ_max + 1 rows; so both read states of one size and share that prefill program)."""
-    granule = token_granule(cfg)
-    capacity = round_up(context + steps + min(cfg.dspark_block_size, cfg.max_draft) + 2, granule)
-    prompt = jax.random.randint(jax.random.PRNGKey(0), (batch, context), 0, 256, jnp.int32)
-
-    @jax.jit
-    def loop(state, token):
-        def body(_, carry):
-            state, token = carry
-            logits, state = model.decode_step(cfg, params, state, token)
-            return state, jnp.argmax(logits, -1).astype(jnp.int32)
-        return jax.lax.fori_loop(0, steps, body, (state, token))
-
-    def fresh():
-        logits, state, _ = model.prefill(cfg, params, init_state(cfg, batch, capacity), prompt)
-        return state, jnp.argmax(logits, -1).astype(jnp.int32)
-
-    jax.block_until_ready(loop(*fresh()))  # compile
-    state, token = jax.block_until_ready(fresh())
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(state, token))
-    return steps / (time.perf_counter() - t0)
-
-
 def cost_ratios(sps: SpsTable, decode_steps_per_s: dict[int, float]) -> dict[int, dict[int, float]]:
     """{batch: {width: time of one speculative step at that verify width / time of one plain decode step}}: a
     speculative step pays for itself when it commits more tokens than this ratio (the speed-up is τ / ratio)."""

@@ -66,34 +66,52 @@ def validation_prompts(n: int, length: int) -> list[np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 # Steps per second of one speculative step
 
-def step_rate(cfg: ModelConfig, params, batch: int, width: int, context: int, steps: int) -> float:
-    """Steady steps/s of draft → verify at `width` → commit one row, `steps` steps in one jitted loop on a state
-    prefilled with `context` random tokens per row (compile and prefill excluded)."""
-    granule = token_granule(cfg)
-    capacity = round_up(context + steps + width + 1, granule)
+def _steady_rate(cfg: ModelConfig, params, batch: int, context: int, steps: int, capacity: int, step) -> float:
+    """Steady steps/s of `step(state, token) -> (state, token)`, `steps` steps in one jitted loop on a state of
+    `capacity` prefilled with `context` random tokens per row (compile and prefill excluded)."""
     prompt = jax.random.randint(jax.random.PRNGKey(0), (batch, context), 0, 256, jnp.int32)
-    ones = jnp.ones((batch,), jnp.int32)
 
     @jax.jit
-    def loop(state, anchor):
-        def body(_, carry):
-            state, anchor = carry
-            prop = model.draft(cfg, params, state, anchor, jax.random.PRNGKey(0))
-            block = jnp.concatenate([anchor[:, None], prop.tokens], axis=1)[:, :width]
-            logits, state = model.verify(cfg, params, state, block)
-            bonus = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-            return model.commit(state, ones, bonus), bonus
-        return jax.lax.fori_loop(0, steps, body, (state, anchor))
+    def loop(state, token):
+        return jax.lax.fori_loop(0, steps, lambda _, carry: step(*carry), (state, token))
 
     def fresh():
         logits, state, _ = model.prefill(cfg, params, init_state(cfg, batch, capacity), prompt)
         return state, jnp.argmax(logits, -1).astype(jnp.int32)
 
     jax.block_until_ready(loop(*fresh()))  # compile
-    state, anchor = jax.block_until_ready(fresh())
+    state, token = jax.block_until_ready(fresh())
     t0 = time.perf_counter()
-    jax.block_until_ready(loop(state, anchor))
+    jax.block_until_ready(loop(state, token))
     return steps / (time.perf_counter() - t0)
+
+
+def step_rate(cfg: ModelConfig, params, batch: int, width: int, context: int, steps: int) -> float:
+    """Steady steps/s of draft → verify at `width` → commit one row (`_steady_rate`)."""
+    ones = jnp.ones((batch,), jnp.int32)
+
+    def step(state, anchor):
+        prop = model.draft(cfg, params, state, anchor, jax.random.PRNGKey(0))
+        block = jnp.concatenate([anchor[:, None], prop.tokens], axis=1)[:, :width]
+        logits, state = model.verify(cfg, params, state, block)
+        bonus = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+        return model.commit(state, ones, bonus), bonus
+
+    capacity = round_up(context + steps + width + 1, token_granule(cfg))
+    return _steady_rate(cfg, params, batch, context, steps, capacity, step)
+
+
+def decode_rate(cfg: ModelConfig, params, batch: int, context: int, steps: int) -> float:
+    """Steady steps/s of one plain greedy `model.decode_step` (`_steady_rate`), on the state `step_rate` uses at
+    the widest verify block (γ_max + 1 rows), so both read states of one size and share that prefill program."""
+
+    def step(state, token):
+        logits, state = model.decode_step(cfg, params, state, token)
+        return state, jnp.argmax(logits, -1).astype(jnp.int32)
+
+    widest = min(cfg.dspark_block_size, cfg.max_draft) + 1
+    capacity = round_up(context + steps + widest + 1, token_granule(cfg))
+    return _steady_rate(cfg, params, batch, context, steps, capacity, step)
 
 
 def measure_sps(cfg: ModelConfig, params, batches: list[int], widths: tuple[int, ...], context: int, steps: int,

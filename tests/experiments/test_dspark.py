@@ -5,19 +5,17 @@ The drafter of `mini_params` is random; as in tests/infer/test_speculative.py it
 previous token for the tokens the greedy target emits, so accepted runs, rejections and bonus tokens all occur.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from csa2 import model
 from csa2.config import preset
 from csa2.tokenizer import encode
 from experiments import dspark as ds
 from infer.generate import Sampling
 from infer.schedule import SpsTable
 from infer.speculative import speculative_generate
+from tests.infer.drafters import echo_markov
 
 MINI = preset("mini")
 NEW = 24
@@ -35,16 +33,7 @@ def params(mini_params, prompts):
     """`mini_params` with a Markov head that echoes the previous token for the tokens greedy decoding emits (found by
     the host loop itself: greedy output does not depend on the drafter, and no other program is compiled)."""
     emitted = ds.decode_batch(MINI, mini_params, prompts, max_new_tokens=NEW, eos_id=None).tokens
-    echo = sorted(set(emitted.ravel().tolist()))[:MINI.dspark_markov_rank]
-    pure = nnx.to_pure_dict(mini_params)
-    w1 = np.zeros(pure[model.DRAFTER]["markov_embed"].shape, np.float32)
-    w2 = np.zeros(pure[model.DRAFTER]["markov_head"].shape, np.float32)
-    for i, t in enumerate(echo):
-        w1[t, i], w2[i, t] = 1.0, 50.0
-    pure[model.DRAFTER]["markov_embed"], pure[model.DRAFTER]["markov_head"] = jnp.asarray(w1), jnp.asarray(w2)
-    out = jax.tree.map(lambda x: x, mini_params)
-    nnx.replace_by_pure_dict(out, pure)
-    return out
+    return echo_markov(mini_params, emitted, MINI.dspark_markov_rank)
 
 
 def _check_records(d: ds.Decoded, gamma: int):

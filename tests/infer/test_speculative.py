@@ -21,6 +21,7 @@ from infer import speculative as spec_module
 from infer.generate import Sampling, generate
 from infer.schedule import SpsTable, config_fingerprint
 from infer.speculative import accept, speculative_generate
+from tests.infer.drafters import echo_markov
 
 MINI = preset("mini")
 META = {"config": config_fingerprint(MINI)}
@@ -35,20 +36,9 @@ def _prompts(texts, batch):
 @pytest.fixture(scope="module")
 def params(mini_params):
     """`mini_params` with a Markov head that echoes the previous token for the tokens greedy decoding emits."""
-    emitted = set()
-    for texts in PROMPT_SETS:
-        emitted |= set(generate(MINI, mini_params, _prompts(texts, 3), max_new_tokens=NEW, eos_id=None).tokens.ravel()
-                       .tolist())
-    echo = sorted(emitted)[:MINI.dspark_markov_rank]
-    pure = nnx.to_pure_dict(mini_params)
-    w1 = np.zeros(pure[model.DRAFTER]["markov_embed"].shape, np.float32)
-    w2 = np.zeros(pure[model.DRAFTER]["markov_head"].shape, np.float32)
-    for i, t in enumerate(echo):
-        w1[t, i], w2[i, t] = 1.0, 50.0
-    pure[model.DRAFTER]["markov_embed"], pure[model.DRAFTER]["markov_head"] = jnp.asarray(w1), jnp.asarray(w2)
-    out = jax.tree.map(lambda x: x, mini_params)
-    nnx.replace_by_pure_dict(out, pure)
-    return out
+    emitted = [generate(MINI, mini_params, _prompts(texts, 3), max_new_tokens=NEW, eos_id=None).tokens.ravel()
+               for texts in PROMPT_SETS]
+    return echo_markov(mini_params, np.concatenate(emitted), MINI.dspark_markov_rank)
 
 
 @pytest.fixture(scope="module")
