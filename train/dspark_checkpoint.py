@@ -27,14 +27,13 @@ from csa2.config import ModelConfig, preset
 from train import dspark
 from train.data import load_corpus
 from train.dspark import DSparkTrainConfig
-from train.longctx import fast_mode, lock
+from train.longctx import RECIPE, check_recipe, fast_mode, lock
 from train.loop import train
 from train.step import TrainConfig
 
 DEFAULT_DIR = "runs/dspark"
 FAST_DIR = "runs/dspark-fast"
 REPORT = "report.json"
-RECIPE = "recipe.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +82,7 @@ def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = No
     """(config, params with the adapted drafter, report) of the DSpark research checkpoint cached in `path`
     (default `runs/dspark`, or `runs/dspark-fast` with `fast`, default CSA2_FAST=1). A finished run is restored;
     otherwise `recipe` (default `DEFAULT` / `FAST`) is built there first. A directory holding another recipe is
-    refused; concurrent callers take turns on a lock beside it (`train.longctx.lock`)."""
+    refused (`train.longctx.check_recipe`); concurrent callers take turns on a lock beside it (`train.longctx.lock`)."""
     fast = fast_mode(fast)
     recipe = recipe or (FAST if fast else DEFAULT)
     if not isinstance(recipe, Recipe):
@@ -91,11 +90,7 @@ def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = No
     out = pathlib.Path(path or (FAST_DIR if fast else DEFAULT_DIR))
     out.parent.mkdir(parents=True, exist_ok=True)
     with lock(out):
-        stored = out / RECIPE
-        wanted = json.loads(json.dumps(dataclasses.asdict(recipe)))
-        if stored.exists() and json.loads(stored.read_text()) != wanted:
-            raise ValueError(f"{out}: holds a DSpark checkpoint of another recipe ({stored}); delete {out} or pass "
-                             "another path")
+        check_recipe(out, recipe)
         if not (out / REPORT).exists():
             return run(recipe, out, log=log)
         cfg, params = ckpt.restore_with_drafter(out / "backbone", out / "dspark")

@@ -273,8 +273,9 @@ def run(recipe: LongCtxRecipe, out: str | pathlib.Path, *,
     return cfg, state.params, report
 
 
-def _check_recipe(out: pathlib.Path, recipe: LongCtxRecipe) -> None:
-    """A run directory may only hold runs of `recipe`: otherwise ValueError naming the differing fields."""
+def check_recipe(out: pathlib.Path, recipe) -> None:
+    """A run directory may only hold runs of `recipe` (a dataclass, stored as `out/recipe.json`): otherwise
+    ValueError naming the differing fields."""
     path = out / RECIPE
     if not path.exists():
         return
@@ -308,7 +309,7 @@ def checkpoint(path: str | pathlib.Path | None = None, *, fast: bool | None = No
     out = pathlib.Path(path or (FAST_DIR if fast else DEFAULT_DIR) + ("" if recipe.qat else "-float"))
     out.parent.mkdir(parents=True, exist_ok=True)
     with lock(out):
-        _check_recipe(out, recipe)
+        check_recipe(out, recipe)
         if not (out / ACCURACY).exists():
             return run(recipe, out, log=log)
         cfg, params = ckpt.restore_params(out)
