@@ -96,8 +96,8 @@ def update(X: Array, f_out: Array, post: Array, comb: Array) -> Array:
     if f_out.shape[-1:] != X.shape[-1:]:
         raise ValueError(f"f_out.shape={f_out.shape}: expected [..., {X.shape[-1]}] (the d of X.shape={X.shape})")
     # n ordered multiply-adds rather than a [n, n]·[n, d] dot per token, which XLA:CPU runs as a batched matmul
-    # call: they fuse with the site's other element-wise work (README, Benchmarks). Like any op, they round alike
-    # across batch sizes only to float rounding (`csa2.state`, "What is bitwise").
+    # call: they fuse with the site's other element-wise work (docs/results.md, "The mHC stream mix"). Like any
+    # op, they round alike across batch sizes only to float rounding (`csa2.state`, "What is bitwise").
     c, x = comb.astype(jnp.float32), X.astype(jnp.float32)
     with jax.named_scope("fp32_mhc"):
         mixed = sum(c[..., j, :, None] * x[..., j, None, :] for j in range(X.shape[-2]))

@@ -8,10 +8,9 @@ marks the run finished) holds the recipe, the times and the drafter's teacher-fo
 (`train.dspark.evaluate`); acceptance at inference is measured by `infer.bench_spec` and the DSpark
 notebook, not here.
 
-`DEFAULT` is the recipe that measured best in the adaptation grid reported in README ("DSpark
-adaptation"): the target's own greedy continuations as data (self-distillation). `CSA2_FAST=1` (or
-`fast=True`) builds `FAST` into `runs/dspark-fast`: a few steps of each, for CI; that drafter is not
-expected to accept much.
+`DEFAULT` is the recipe that measured best in the adaptation grid (docs/results.md, "Adaptation grid"):
+the target's own greedy continuations as data (self-distillation). `CSA2_FAST=1` (or `fast=True`) builds
+`FAST` into `runs/dspark-fast`: a few steps of each, for CI; that drafter is not expected to accept much.
 """
 
 from __future__ import annotations

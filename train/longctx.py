@@ -22,7 +22,7 @@ counts when every digit is right, which is exactly greedy decoding producing it,
 pass equals prefill + decode (`tests/csa2/test_model.py`); the share of digits right is kept too. The
 tables go to `OUT/accuracy.json`, whose presence marks the run finished.
 
-Status (README, "The long-context research checkpoint"): the default recipe retrieves 0.64–0.89 of the pass
+Status (docs/results.md, "Long-context research checkpoint"): the default recipe retrieves 0.64–0.89 of the pass
 keys at 256–4096 tokens (0.91–0.98 of the digits).
 """
 
@@ -63,11 +63,12 @@ class LongCtxRecipe:
 
     preset: str = "demo"  # window 32 ≪ the contexts: retrieval must go through the Global KV and top-k
     # The weights' init std. The released 0.02 suits d = 5120; at the demo's d = 64 it leaves every projection's
-    # gain ~0.16, and attention stays untrained for hundreds of steps (README, "The long-context research checkpoint").
+    # gain ~0.16, and attention stays untrained for hundreds of steps
+    # (docs/results.md, "Init scale and induction rows").
     initializer_range: float = 0.1
     # The read budget (SPEC §5): Global entries per query and candidate blocks of the decoder's pool. At the demo's
     # 32 and 8 blocks, a needle 512 tokens back is in the top-k too rarely for the attention to learn to read it
-    # (README, "The long-context research checkpoint"); 128 of the encoder's 2048 entries at 4096 tokens (6 %) is
+    # (docs/results.md, "The read budget"); 128 of the encoder's 2048 entries at 4096 tokens (6 %) is
     # the release's share at 16K tokens (512 of 8192).
     index_topk: int = 128
     candidate_topk_blocks: int = 32
