@@ -5,10 +5,16 @@ Core attention reads, per query, exactly `W` window entries of this layer's SWA 
 in the denominator (SPEC §3). It runs in `pallas_kernels.ops.sparse_attention` (the reference or
 the kernels, `cfg.kernel_impl`), which gathers and dequantizes the selected rows itself (DESIGN §4).
 Index sources publish their top-k (and the candidate source its pool) on the `Bus`; a Reuse layer
-reads the latest top-k.
+reads the latest top-k. A Full layer writes its group's Global KV first (its compressor, SPEC §4).
+
+The sublayer owns its part of the request state: it takes its `LayerKV` (ring, source, compressor tail) and
+returns it updated. What a Global-reading layer reads, and what every layer exposes for measurement, is the
+call's instrument (`csa2.hooks`): by default its own top-k, and nothing.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import chex
 import jax
@@ -17,21 +23,21 @@ import numpy as np
 from flax import nnx
 
 from csa2 import cache
-from csa2 import index_loss as index_loss_lib
-from csa2 import probe as probe_lib
-from csa2 import selection
-from csa2.chunk import Chunk
-from csa2.compressor import Compressor
+from csa2.chunk import take_rows
+from csa2.compressor import Compressor, compress
 from csa2.config import ModelConfig
-from csa2.indexer import Bus, Indexer, candidate_pool, full_topk, index_queries, reindex_topk, visible_entries
+from csa2.context import Context
+from csa2.hooks import Sight
+from csa2.indexer import Bus, Indexer, candidate_pool, full_topk, index_queries, reindex_topk
 from csa2.layout import LayerSpec
 from csa2.norm import rms_norm
 from csa2.params import linear, normal, ones, zeros
+from csa2.replay import DecoderTail
 from csa2.rope import apply_rope, rope_frequencies
-from csa2.state import SourceKV
+from csa2.state import LayerKV
 from pallas_kernels import ops
 from pallas_kernels.formats import MAIN
-from pallas_kernels.stored import Stored, concat_rows
+from pallas_kernels.stored import NO_ENTRY, Stored, concat_rows
 
 Array = jax.Array
 
@@ -104,103 +110,77 @@ def grouped_output(cfg: ModelConfig, params: dict, o: Array) -> Array:
     return linear(mid.reshape(b, s, g * cfg.o_lora_rank), params["wo_b"], cfg.dtype)
 
 
-def attention(
-    cfg: ModelConfig,
-    spec: LayerSpec,
-    params: dict,
-    x: Array,
-    chunk: Chunk,
-    ring: Stored,
-    source: SourceKV | None,
-    bus: Bus,
-    *,
-    quantize: bool = True,
-    index_loss: str | None = None,
-    probe: int | None = None,
-    policy: selection.Policy | None = None,
-    policy_start: Array | None = None,
-    layer: Array | int = 0,
-) -> tuple[Array, Stored, Bus, Array, probe_lib.Probe | None]:
-    """One sublayer on a chunk. x [B, S, d] is the normed collapsed residual.
+def attention(cfg: ModelConfig, spec: LayerSpec, params: dict, x: Array, kv: LayerKV, bus: Bus, ctx: Context,
+              layer: Array | int, enter: DecoderTail | None = None) -> tuple[Array, LayerKV, Bus, Any]:
+    """One sublayer on a chunk (`ctx.chunk`); x [B, S, d] is the normed collapsed residual, `kv` the layer's
+    view of the request state, `layer` its index (may be traced).
 
-    `ring` is this layer's SWA ring `[B, slots, ·]`; `source` the group's Global KV, already
-    holding the entries this chunk completes (a Full layer's caller runs `compressor.compress`
-    first, on this chunk or, under replay, on every prompt position). Returns the output
-    [B, S, d], the ring with this chunk's entries written, the bus, the indexer KL loss of SPEC §13
-    (an index source with `index_loss` "sparse" or "dense"; 0 otherwise) and, with `probe` = an entry
-    width, this layer's `csa2.probe.Probe` (else None). `quantize=False` (float cache only) skips every
-    fake-quant. A `policy` (SPEC §14, `csa2.selection`) replaces the Global entries this layer reads from
-    position `policy_start` (an int or one per row [B]) on; `layer` is this layer's index (may be traced), for per-layer policies.
+    A Full layer first compresses x into its group's Global KV (SPEC §4), so the source it reads holds the
+    entries this chunk completes. At the replay split (`enter`, SPEC §11) its compressor sees every row and the
+    rest of the layer continues on the decoder tail's rows, with the tail's chunk. Returns the output
+    [B, S', d] (S' = the tail's rows when entering it, else S), the view with this chunk's entries written
+    (ring; source and tail on Full layers), the bus, and the layer's tap (`ctx.instrument`, `csa2.hooks`).
     """
+    chunk = ctx.chunk
     b, s, _ = x.shape
     chex.assert_shape(x, (b, s, cfg.hidden_size))
     chex.assert_shape([chunk.start, chunk.n_valid, chunk.floor], (b,))
-    chex.assert_shape(ring.payload, (b, None, None))
+    chex.assert_shape(kv.ring.payload, (b, None, None))
+    if spec.compresses:
+        with jax.named_scope("compress"):
+            source, tail = compress(cfg, params["compressor"], spec.ratio, kv.source, kv.tail, x, chunk.start,
+                                    chunk.n_valid, quantize=ctx.quantize, written_from=ctx.written_from)
+        kv = kv.replace(source=source, tail=tail)
+    if enter is not None:
+        x, bus = jax.tree.map(lambda a: take_rows(a, enter.rows), (x, bus))
+        chunk, s = enter.chunk, enter.rows.shape[1]
+    ring, source = kv.ring, kv.source
     positions, valid_q = chunk.positions(s), chunk.valid(s)
     freqs = layer_frequencies(cfg, spec.ratio)
 
     # Main Q and this layer's SWA KV (SPEC §3).
-    q_lat, q = queries(cfg, params, x, positions, freqs)
-    swa = cache.encode(window_kv(cfg, params, x, positions, freqs), ring, quantize)  # [B, S, ·]
+    with jax.named_scope("queries"):
+        q_lat, q = queries(cfg, params, x, positions, freqs)
+    with jax.named_scope("window_kv"):
+        swa = cache.encode(window_kv(cfg, params, x, positions, freqs), ring, ctx.quantize)  # [B, S, ·]
 
     # Window: positions max(floor, t−W+1) … t, from the ring and this chunk.
     pos, ids = window_ids(positions, chunk.start, cfg.sliding_window, ring.rows)
     window = concat_rows(ring, swa)  # [B, slots + S, ·]
-    window_idx = jnp.where(pos >= jnp.maximum(chunk.floor, 0)[:, None, None], ids, -1)  # [B, S, W]
+    window_idx = jnp.where(pos >= jnp.maximum(chunk.floor, 0)[:, None, None], ids, NO_ENTRY)  # [B, S, W]
 
     # Global entries selected by this group's indexer (SPEC §5).
     q_index = w_index = None
     if spec.role in ("full", "reindex"):
-        # The indexer only feeds top-k and its own loss: detach its inputs from the main graph (SPEC §13).
-        q_index, w_index = index_queries(cfg, params["indexer"], jax.lax.stop_gradient(x),
-                                         jax.lax.stop_gradient(q_lat), positions, quantize=quantize)
-        if spec.uses_candidates:
-            topk = reindex_topk(cfg, q_index, w_index, source, bus.candidates, positions, spec.ratio)
-        else:
-            topk, scores = full_topk(cfg, q_index, w_index, source, positions, spec.ratio)
-            if spec.is_candidate_source:
-                bus = bus.replace(candidates=candidate_pool(cfg, scores, positions, spec.ratio))
+        with jax.named_scope("indexer"):
+            # The indexer only feeds top-k and its own loss: detach its inputs from the main graph (SPEC §13).
+            q_index, w_index = index_queries(cfg, params["indexer"], jax.lax.stop_gradient(x),
+                                             jax.lax.stop_gradient(q_lat), positions, quantize=ctx.quantize)
+            if spec.uses_candidates:
+                topk = reindex_topk(cfg, q_index, w_index, source, bus.candidates, positions, spec.ratio)
+            else:
+                topk, scores = full_topk(cfg, q_index, w_index, source, positions, spec.ratio)
+                if spec.is_candidate_source:
+                    bus = bus.replace(candidates=candidate_pool(cfg, scores, positions, spec.ratio))
         bus = bus.replace(topk=topk)
 
     # Core attention: the W window rows and the selected Global entries in one sink softmax (SPEC §3).
-    read = bus.topk  # the Global entry ids this layer reads
+    sight = Sight(spec=spec, entries=ctx.entries, layer=jnp.asarray(layer, jnp.int32), q=q, sink=params["sink"],
+                  window=window, window_idx=window_idx, source=source, bus=bus, q_index=q_index, w_index=w_index,
+                  positions=positions, valid=valid_q)
     if spec.role == "swa":
         main, main_idx = Stored.empty((b, 0), cfg.head_dim, MAIN, ring.packed), jnp.zeros((b, s, 0), jnp.int32)
-        read = jnp.full((b, s, cfg.index_topk if policy is None else policy.width(cfg)), -1, jnp.int32)
+        read = jnp.full((b, s, ctx.instrument.width(cfg)), NO_ENTRY, jnp.int32)
     else:
-        if policy is not None:
-            read = selection.read(cfg, policy, policy_start, layer, q, params["sink"], window, window_idx, source,
-                                  positions, spec.ratio, bus.topk)
+        with jax.named_scope("read_hook"):
+            read = ctx.instrument.read(cfg, sight)
         main, main_idx = source.kv, source.rows(read)
-    o = ops.sparse_attention(q, params["sink"], main, main_idx, window, window_idx, impl=cfg.kernel_impl)
-    kl = jnp.zeros((), jnp.float32)
-    if index_loss is not None and spec.role in ("full", "reindex"):
-        kl = _index_loss(cfg, spec, index_loss, params["sink"], q, window, window_idx, source, bus.topk, q_index,
-                         w_index, positions, valid_q)
-    record = None
-    if probe is not None:
-        record = probe_lib.record(cfg, spec, probe, q, params["sink"], window, window_idx, source, bus, read,
-                                  q_index, w_index, positions)
-    out = output(cfg, params, o, positions, freqs)
+    with jax.named_scope("sparse_attention"):
+        o = ops.sparse_attention(q, params["sink"], main, main_idx, window, window_idx, impl=cfg.kernel_impl)
+    with jax.named_scope("tap"):
+        tap = ctx.instrument.tap(cfg, sight, read)
+    with jax.named_scope("attn_output"):
+        out = output(cfg, params, o, positions, freqs)
 
     slot, keep = cache.ring_slots(positions, valid_q, chunk.end, ring.rows)
-    return out, ring.write(slot, swa, keep), bus, kl, record
-
-
-def _index_loss(cfg: ModelConfig, spec: LayerSpec, mode: str, sink: Array, q: Array, window: Stored,
-                window_idx: Array, source: SourceKV, topk: Array, q_index: Array, w_index: Array,
-                positions: Array, valid_q: Array) -> Array:
-    """SPEC §13 on this layer: main attention mass vs the indexer's scores, on the selected ("sparse") or
-    every visible ("dense", the warm-up recipe) set of Global entries."""
-    if mode not in index_loss_lib.MODES:
-        raise ValueError(f"index_loss={mode!r}: use one of {index_loss_lib.MODES} or None")
-    count = visible_entries(positions, spec.ratio)  # [B, S]
-    if mode == "sparse":
-        ids, valid = topk, topk >= 0  # [B, S, K]
-        scores = ops.indexer_scores_gathered(q_index, w_index, source.ikey, source.rows(ids), count + source.offset,
-                                             impl=cfg.kernel_impl)
-    else:
-        ids, valid = probe_lib.dense_ids(source, positions, spec.ratio)  # [B, S, N]
-        scores = ops.indexer_scores(q_index, w_index, source.ikeys(), count, impl=cfg.kernel_impl)
-    _, probs = probe_lib.attention_probs(q, sink, window, window_idx, source.kv, source.rows(ids), valid)
-    return index_loss_lib.indexer_kl(probs, scores, valid, valid_q)
+    return out, kv.replace(ring=ring.write(slot, swa, keep), source=source), bus, tap

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from csa2.config import ModelConfig
+from csa2.mesh import REPLICATED, ROWS, Placement, Rules, check_rules, replicated, rows
 from csa2.replay import Extend, ReplayPolicy
 from csa2.state import State, capacity
 
@@ -48,13 +50,34 @@ def _described(arg):
 
 
 class EntryPoint:
-    """`jax.jit(fn, ...)` with `check(*args, **kwargs)` run before every call, trace or lowering."""
+    """`jax.jit(fn, ...)` with `check(*args, **kwargs)` run before every call, trace or lowering.
 
-    def __init__(self, fn: Callable, check: Callable, **jit_kwargs):
+    `place` names, per argument, how it lies on a device mesh (a `csa2.mesh` placement: `ROWS`, `REPLICATED`,
+    `PARAMS` or a function of the same form; an argument not named is replicated), and `out` how the outputs do
+    (a prefix of the output pytree whose leaves are `ROWS`, `REPLICATED` or the name of an argument whose
+    shardings an output keeps, e.g. the state a step returns; a dict names the keys an output dict may have).
+    With them, `.on(mesh, rules)` is the same entry point compiled for a mesh.
+    """
+
+    def __init__(self, fn: Callable, check: Callable, *, place: Mapping[str, Placement] | None = None,
+                 out: Any = None, **jit_kwargs):
         functools.update_wrapper(self, fn)
         self._fn, self._check, self._jit_kwargs = fn, check, jit_kwargs
+        self._place, self._out = dict(place or {}), out
         self._signature = inspect.signature(fn)
         self._jitted = jax.jit(fn, **jit_kwargs)
+        self._meshes: dict[tuple, OnMesh] = {}
+
+    def on(self, mesh: Mesh, rules: Rules) -> "OnMesh":
+        """This entry point compiled for `mesh` with `rules` (`OnMesh`; one per mesh and rules, so its compiled
+        programs are reused however often it is asked for)."""
+        if self._out is None:
+            raise ValueError(f"{self.__name__}: declares no placements (place=, out=), so it runs on one device only")
+        key = (mesh, tuple(sorted(rules.items())))
+        if key not in self._meshes:
+            check_rules(rules)
+            self._meshes[key] = OnMesh(self, mesh, rules)
+        return self._meshes[key]
 
     def check(self, *args, **kwargs) -> None:
         """The host check alone (for a caller that jits `__wrapped__` itself, e.g. with explicit shardings)."""
@@ -94,9 +117,87 @@ class EntryPoint:
         return jax.jit(self._fn, **kwargs)
 
 
-def entry_point(check: Callable, **jit_kwargs) -> Callable[[Callable], EntryPoint]:
+def entry_point(check: Callable, **kwargs) -> Callable[[Callable], EntryPoint]:
     """Decorator form of `EntryPoint`."""
-    return lambda fn: EntryPoint(fn, check, **jit_kwargs)
+    return lambda fn: EntryPoint(fn, check, **kwargs)
+
+
+class OnMesh:
+    """An `EntryPoint` compiled for a device mesh: explicit in and out shardings from its placements (by
+    argument name, through the rules' logical axes), its donated arguments donated, its host check run first,
+    traced under `jax.set_mesh(mesh)` (so the MoE runs expert-parallel, `csa2.moe`). One program per static
+    arguments and argument shapes. Arguments must already be placed (`csa2.sharding.shard_params`,
+    `csa2.sharding.init_state`, `jax.device_put(x, self.shardings(name, x))`); an argument in another sharding is
+    an error of `jax.jit`, never a silent copy to one device."""
+
+    def __init__(self, entry: EntryPoint, mesh: Mesh, rules: Rules):
+        self.entry, self.mesh, self.rules = entry, mesh, rules
+        self._programs: dict[tuple, Callable] = {}
+
+    def shardings(self, name: str, value) -> Any:
+        """The shardings of argument `name` holding `value` (checked against the mesh)."""
+        return self.entry._place.get(name, REPLICATED)(value, self.mesh, self.rules, name)
+
+    def __call__(self, *args, **kwargs):
+        program, values = self._program(args, kwargs)
+        with jax.set_mesh(self.mesh):
+            return program(*values)
+
+    def lower(self, *args, **kwargs):
+        """`jax.jit(...).lower` for placed arrays or `jax.ShapeDtypeStruct`s with shardings: `.compile()` it for
+        ahead-of-time use and memory plans."""
+        program, values = self._program(args, kwargs)
+        with jax.set_mesh(self.mesh):
+            return program.lower(*values)
+
+    def _program(self, args, kwargs) -> tuple[Callable, list]:
+        entry = self.entry
+        bound = entry._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        entry._check(**bound.arguments)
+        # Static: the entry point's static arguments, and any other argument left None (an empty pytree), so a
+        # lowered program takes exactly the arrays given, in signature order.
+        static_names = set(entry._jit_kwargs.get("static_argnames", ()))
+        static = tuple((n, v) for n, v in bound.arguments.items() if n in static_names or v is None)
+        names = [n for n, v in bound.arguments.items() if n not in static_names and v is not None]
+        values = [bound.arguments[n] for n in names]
+        key = static + tuple((jax.tree.structure(v), tuple(map(np.shape, jax.tree.leaves(v)))) for v in values)
+        if key not in self._programs:
+            placed = {n: self.shardings(n, v) for n, v in zip(names, values)}
+            fn = _by_name(entry._fn, dict(static), names)
+            shapes = jax.eval_shape(fn, *values)
+            donate = set(entry._jit_kwargs.get("donate_argnames", ()))
+            self._programs[key] = jax.jit(fn, in_shardings=tuple(placed[n] for n in names),
+                                          out_shardings=self._out(entry._out, shapes, placed),
+                                          donate_argnums=tuple(i for i, n in enumerate(names) if n in donate))
+        else:
+            for n, v in zip(names, values):  # the placements' own checks (a batch that does not split)
+                self.shardings(n, v)
+        return self._programs[key], values
+
+    def _out(self, spec, shapes, placed: dict):
+        """The out shardings: `spec` (the entry point's `out`) matched against the output structure `shapes`."""
+        if isinstance(spec, str):
+            return placed[spec]
+        if spec is ROWS:
+            return rows(self.mesh, self.rules)
+        if spec is REPLICATED:
+            return replicated(self.mesh)
+        if isinstance(spec, dict):
+            missing = sorted(set(shapes) - set(spec))
+            if missing:
+                raise ValueError(f"{self.entry.__name__}: output keys {missing} have no placement in its out=")
+            return {k: self._out(spec[k], v, placed) for k, v in shapes.items()}
+        return type(spec)(self._out(s, v, placed) for s, v in zip(spec, shapes))
+
+
+def _by_name(fn: Callable, static: dict, names: list[str]) -> Callable:
+    """`fn` with its static arguments bound, taking the others positionally in `names` order (what
+    `jax.jit(..., in_shardings=)` needs), under `fn`'s name (the compiled program's name in profiles)."""
+    def bound(*values):
+        return fn(**static, **dict(zip(names, values)))
+    bound.__name__ = bound.__qualname__ = fn.__name__
+    return bound
 
 
 # ---------------------------------------------------------------------------------------------

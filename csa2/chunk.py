@@ -33,3 +33,8 @@ class Chunk:
     def end(self) -> Array:
         """Length of each row once the chunk is written: `start + n_valid` [B]."""
         return self.start + self.n_valid
+
+
+def take_rows(x: Array, rows: Array) -> Array:
+    """x [B, S, ...] → x[b, rows[b, j]] [B, T, ...]: the chunk rows `rows [B, T]` of each batch row."""
+    return jax.vmap(lambda a, i: a[i])(x, rows)

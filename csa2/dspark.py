@@ -56,7 +56,7 @@ from csa2.sampling import sample
 from csa2.stack import site_input
 from pallas_kernels import ops
 from pallas_kernels.formats import MAIN, WINDOW
-from pallas_kernels.stored import Stored, concat_rows
+from pallas_kernels.stored import NO_ENTRY, Stored, concat_rows
 
 Array = jax.Array
 
@@ -202,7 +202,7 @@ class Proposal:
 def window_rows(length: Array, floor: Array, window: int, slots: int) -> Array:
     """Ring rows [B, W] of the context positions `[length − W, length − 1]`, −1 below `max(floor, 0)`."""
     pos = length[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None]
-    return jnp.where(pos >= jnp.maximum(floor, 0)[:, None], pos % slots, -1)
+    return jnp.where(pos >= jnp.maximum(floor, 0)[:, None], pos % slots, NO_ENTRY)
 
 
 def propose(cfg: ModelConfig, params: dict, state, anchor: Array, key: Array, temperature: Array,
@@ -260,7 +260,7 @@ def anchored(cfg: ModelConfig, params: dict, features: Array, tokens: Array, anc
                                                              jnp.int32)], axis=-1).reshape(b, a_n * gamma)
     positions = (anchors[..., None] + offsets).reshape(b, a_n * gamma)
     pos = anchors[..., None] - cfg.sliding_window + jnp.arange(cfg.sliding_window, dtype=jnp.int32)  # [B, A, W]
-    ctx_idx = jnp.repeat(jnp.where(pos >= 0, pos, -1), gamma, axis=1)  # [B, A·γ, W]
+    ctx_idx = jnp.repeat(jnp.where(pos >= 0, pos, NO_ENTRY), gamma, axis=1)  # [B, A·γ, W]
     h = hidden(cfg, p, params["embed"], block, positions, contexts, ctx_idx, quantize)
     U = base_logits(cfg, p, params["head"], h).reshape(b, a_n, gamma, -1)
     prev = jnp.take_along_axis(tokens, jnp.clip(anchors[..., None] + offsets, 0, s - 1).reshape(b, -1),

@@ -32,6 +32,7 @@ from csa2.quant import INDEX, fake_quant
 from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import SourceKV
 from pallas_kernels import ops
+from pallas_kernels.stored import NO_ENTRY
 
 Array = jax.Array
 
@@ -62,8 +63,8 @@ class Bus:
     def empty(cls, cfg: ModelConfig, batch: int, s: int) -> "Bus":
         """The bus before any index source ran: nothing selected."""
         pool = cfg.candidate_pool_size if cfg.candidates_enabled else 0
-        return cls(topk=jnp.full((batch, s, cfg.index_topk), -1, jnp.int32),
-                   candidates=jnp.full((batch, s, pool), -1, jnp.int32))
+        return cls(topk=jnp.full((batch, s, cfg.index_topk), NO_ENTRY, jnp.int32),
+                   candidates=jnp.full((batch, s, pool), NO_ENTRY, jnp.int32))
 
 
 def index_queries(cfg: ModelConfig, params: dict, x: Array, q_lat: Array, positions: Array, *,
@@ -95,8 +96,8 @@ def select_topk(scores: Array, valid: Array, k: int, ids: Array | None = None) -
     chosen = col if ids is None else jnp.take_along_axis(ids, col, axis=-1)
     keep = jnp.take_along_axis(valid, col, axis=-1)
     chosen = jnp.sort(jnp.where(keep, chosen, _NO_ID), axis=-1)
-    chosen = jnp.where(chosen == _NO_ID, -1, chosen).astype(jnp.int32)
-    return jnp.pad(chosen, [(0, 0)] * (chosen.ndim - 1) + [(0, k - chosen.shape[-1])], constant_values=-1)
+    chosen = jnp.where(chosen == _NO_ID, NO_ENTRY, chosen).astype(jnp.int32)
+    return jnp.pad(chosen, [(0, 0)] * (chosen.ndim - 1) + [(0, k - chosen.shape[-1])], constant_values=NO_ENTRY)
 
 
 def full_topk(cfg: ModelConfig, qI: Array, w: Array, source: SourceKV, positions: Array,
@@ -121,7 +122,7 @@ def candidate_pool(cfg: ModelConfig, scores: Array, positions: Array, ratio: int
     block_max = jnp.where(block == (vis - 1) // size, jnp.inf, block_max)  # newest block pinned
     kept = select_topk(block_max, block * size < vis, cfg.candidate_topk_blocks)  # [B, S, Kb]
     pool = kept[..., None] * size + jnp.arange(size)  # [B, S, Kb, size]
-    pool = jnp.where((kept[..., None] >= 0) & (pool < vis[..., None]), pool, -1)
+    pool = jnp.where((kept[..., None] >= 0) & (pool < vis[..., None]), pool, NO_ENTRY)
     return pool.reshape(b, s, cfg.candidate_pool_size)  # [B, S, P]
 
 

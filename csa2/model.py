@@ -23,14 +23,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from csa2 import boundary, dspark, engram_vocab, index_loss as index_loss_lib, selection
+from csa2 import boundary, dspark, engram_vocab
 from csa2.boundary import entry_point
 from csa2.config import ModelConfig
 from csa2.layout import layer_groups
+from csa2.mesh import PARAMS, REPLICATED, ROWS
 from csa2.moe import bias_update
 from csa2.params import arrays, constant, normal, ones
 from csa2.replay import EXACT, Extend, ReplayPolicy
-from csa2.stack import StackOut, logits as head_logits, split_layers, stack, stacked_layers, take_rows
+from csa2.chunk import take_rows
+from csa2.hooks import OWN_TOPK, Instrument
+from csa2.stack import StackOut, logits as head_logits, split_layers, stack, stacked_layers
 from csa2.state import State, init_state, token_granule
 
 Array = jax.Array
@@ -101,8 +104,9 @@ def _with_context(cfg: ModelConfig, p: dict, start: Array, out: StackOut) -> Sta
         return out.state
     t = out.rows.shape[1]
     valid = jnp.arange(t, dtype=jnp.int32)[None] < out.n_rows[:, None]
-    windows = dspark.write_context(cfg, p[DRAFTER], out.state.draft, out.features, start[:, None] + out.rows, valid,
-                                   out.state.length, quantize=True)
+    with jax.named_scope("drafter_context"):
+        windows = dspark.write_context(cfg, p[DRAFTER], out.state.draft, out.features, start[:, None] + out.rows,
+                                       valid, out.state.length, quantize=True)
     return out.state.replace(draft=windows)
 
 
@@ -113,7 +117,9 @@ def _check_prefill(cfg, params, state, tokens, n_valid, replay, extend) -> None:
     boundary.check_extend(cfg, state, tokens, n_valid, extend)
 
 
-@entry_point(_check_prefill, static_argnames=("cfg", "replay"), donate_argnames=("state",))
+@entry_point(_check_prefill, static_argnames=("cfg", "replay"), donate_argnames=("state",),
+             place=dict(params=PARAMS, state=ROWS, tokens=ROWS, n_valid=ROWS, extend=ROWS),
+             out=(ROWS, "state", REPLICATED))
 def prefill(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array, n_valid: Array | None = None,
             replay: ReplayPolicy = ReplayPolicy(), extend: Extend | None = None) -> tuple[Array, State, dict]:
     """Process a prompt chunk `tokens [B, S]` (`n_valid [B]` real tokens per row, default S) of
@@ -134,6 +140,9 @@ def prefill(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array, n_
     return _last_logits(cfg, p, out), _with_context(cfg, p, state.length, out), {"work": out.work}
 
 
+STEP = dict(params=PARAMS, state=ROWS, tokens=ROWS)  # a step's placements on a mesh (`EntryPoint.on`)
+
+
 def _check_decode(cfg, params, state, tokens) -> None:
     boundary.check_config(cfg)
     if jnp.ndim(tokens) != 1:
@@ -143,7 +152,7 @@ def _check_decode(cfg, params, state, tokens) -> None:
     boundary.check_chunk(cfg, state, column, None)
 
 
-@entry_point(_check_decode, static_argnames=("cfg",), donate_argnames=("state",))
+@entry_point(_check_decode, static_argnames=("cfg",), donate_argnames=("state",), place=STEP, out=(ROWS, "state"))
 def decode_step(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array) -> tuple[Array, State]:
     """One token per row `tokens [B]` through all layers: logits [B, V] and the state with length + 1."""
     ones_ = jnp.ones(tokens.shape, jnp.int32)
@@ -161,7 +170,7 @@ def _check_verify(cfg, params, state, tokens) -> None:
     boundary.check_chunk(cfg, state, tokens, None)
 
 
-@entry_point(_check_verify, static_argnames=("cfg",), donate_argnames=("state",))
+@entry_point(_check_verify, static_argnames=("cfg",), donate_argnames=("state",), place=STEP, out=(ROWS, "state"))
 def verify(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array) -> tuple[Array, State]:
     """Score a verify block `tokens [B, γ+1]` = [R, d1 … dγ] at positions L … L+γ (SPEC §12).
 
@@ -220,13 +229,14 @@ def _check_draft(cfg, params, state, anchor, key, temperature, top_p) -> None:
         boundary.check_token_ids(cfg, ids[:, None])
 
 
-@entry_point(_check_draft, static_argnames=("cfg",))
+@entry_point(_check_draft, static_argnames=("cfg",), place=dict(params=PARAMS, state=ROWS, anchor=ROWS), out=ROWS)
 def draft(cfg: ModelConfig, params: nnx.State, state: State, anchor: Array, key: Array,
           temperature: Array = 0.0, top_p: Array = 1.0) -> dspark.Proposal:
     """DSpark's γ = `dspark_block_size` drafts after `anchor [B]`, the sampled token at each row's position
     `length` (SPEC §12): tokens, the logits each was drawn from, confidences. Reads the state, writes
     nothing; `verify` then scores [anchor, drafts]. `temperature` 0 drafts greedily."""
-    return dspark.propose(cfg, arrays(params), state, anchor, key, jnp.float32(temperature), jnp.float32(top_p))
+    with jax.named_scope("drafter"):
+        return dspark.propose(cfg, arrays(params), state, anchor, key, jnp.float32(temperature), jnp.float32(top_p))
 
 
 def fork(state: State, rows: Array) -> State:
@@ -238,46 +248,30 @@ def fork(state: State, rows: Array) -> State:
 # ---------------------------------------------------------------------------------------------
 # Training
 
-def _check_forward(cfg, params, tokens, qat, replay, index_loss, features, probe, policy, policy_start) -> None:
+def _check_forward(cfg, params, tokens, qat, replay, features, instrument) -> None:
     boundary.check_config(cfg)
     boundary.check_replay(cfg, replay)
     boundary.check_token_ids(cfg, tokens)
-    if index_loss is not None and index_loss not in index_loss_lib.MODES:
-        raise ValueError(f"index_loss={index_loss!r}: use one of {index_loss_lib.MODES} or None")
     if features and not cfg.dspark_target_layer_ids:
         raise ValueError("features=True: dspark_target_layer_ids is empty, so there are no target features")
-    if probe and not replay.exact:
-        raise ValueError(f"probe=True with replay={replay}: probes record every layer on every position; "
-                         "use replay=EXACT")
-    if policy is not None:
-        if not isinstance(policy, selection.Policy):
-            raise ValueError(f"policy={policy!r}: pass a csa2.selection policy (Oracle, StreamingLLM, H2O, SnapKV, "
-                             "PyramidKV, Quest) or None for the model's own top-k")
-        if not replay.exact:
-            raise ValueError(f"policy={policy} with replay={replay}: a policy reads for every layer on every "
-                             "position; use replay=EXACT")
-        if policy_start is None or jnp.shape(policy_start) not in ((), jnp.shape(tokens)[:1]):
-            raise ValueError(f"policy_start={policy_start}: give the first position the policy reads, an int or "
-                             f"one per row [{jnp.shape(tokens)[0]}]")
-        policy.check(cfg, jnp.shape(tokens)[1], boundary.concrete(policy_start))
-    elif policy_start is not None:
-        raise ValueError(f"policy_start={policy_start} without a policy: pass policy= too, or drop policy_start")
+    if not isinstance(instrument, Instrument):
+        raise ValueError(f"instrument={instrument!r}: pass a csa2.hooks.Instrument (e.g. a research.selection "
+                         "policy, a research.probe.Probe, csa2.index_loss.IndexLoss), or leave the default")
+    instrument.check(cfg, jnp.shape(tokens), replay)
 
 
-@entry_point(_check_forward,
-             static_argnames=("cfg", "qat", "replay", "index_loss", "features", "probe", "policy"))
+@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "features"), place=dict(params=PARAMS, tokens=ROWS),
+             out=(ROWS, {"load": REPLICATED, "rows": ROWS, "features": ROWS, "tap": REPLICATED}))
 def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = False, replay: ReplayPolicy = EXACT,
-            index_loss: str | None = None, features: bool = False, probe: bool = False,
-            policy: selection.Policy | None = None, policy_start: Array | int | None = None) -> tuple[Array, dict]:
+            features: bool = False, instrument: Instrument = OWN_TOPK) -> tuple[Array, dict]:
     """Teacher-forced logits for training: `tokens [B, S]` → logits of the rows that reach the head
     `[B, T, V]` (T = S in exact mode; the decoder tail under `replay`), and aux outputs
-    (`load [L, E]` MoE loads for `update_router_bias`, `index_kl [L]` the indexer KL of SPEC §13 per
-    layer when `index_loss` is "sparse" or "dense", `rows [B, T]` chunk rows of the logits, and with
-    `features=True` the DSpark target features `[B, T, n_t, d]` of those rows, SPEC §12, and with
-    `probe=True` every layer's `csa2.probe.Probe` stacked `[L, B, S, ...]`: dense attention mass next to the
-    selections the layer read; exact mode only). `policy`: a SPEC §14 KV-selection baseline decides what
-    every Global-reading layer reads from position `policy_start` (an int or one per row [B]) on; the
-    earlier positions, the prefill, read the model's own top-k (`csa2.selection`; exact mode only).
+    (`load [L, E]` MoE loads for `update_router_bias`, `rows [B, T]` chunk rows of the logits, with
+    `features=True` the DSpark target features `[B, T, n_t, d]` of those rows, SPEC §12, and with an
+    `instrument` that taps, every layer's tap stacked `[L, ...]` under `tap`). The `instrument` decides what
+    every Global-reading layer reads (default: its own top-k) and what every layer taps (`csa2.hooks`): the
+    indexer loss of SPEC §13 (`csa2.index_loss.IndexLoss`), the probes and KV-selection baselines of
+    `research`.
 
     `qat=True` runs the SPEC §8 fake-quant (straight-through) on Main KV, Indexer Q/K and window KV,
     exactly as inference stores them; `qat=False` is the float model.
@@ -286,13 +280,13 @@ def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = F
     granule = token_granule(cfg)
     state = init_state(cfg, b, -(-s // granule) * granule, "float")
     p = arrays(params)
-    out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, index_loss=index_loss,
-                features=features, probe=probe, policy=policy, policy_start=policy_start)
-    aux = {"load": out.load, "index_kl": out.index_kl, "rows": out.rows}
+    out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, features=features,
+                instrument=instrument)
+    aux = {"load": out.load, "rows": out.rows}
     if features:
         aux["features"] = out.features
-    if probe:
-        aux["probe"] = out.probe
+    if out.tap is not None:
+        aux["tap"] = out.tap
     return head_logits(cfg, p, out.X, out.pre), aux
 
 

@@ -9,7 +9,7 @@
   expert and multiplies the expert groups: in tiles when the groups are large (a grouped matmul in plain
   XLA, the work of the routed rows rather than of every expert), by `jax.lax.ragged_dot` when they are
   small. Both sum the k slots in the same order.
-- Expert parallelism: traced under a mesh (`jax.set_mesh`, `csa2.sharding.Sharded`) whose `expert` axis has
+- Expert parallelism: traced under a mesh (`jax.set_mesh`, `EntryPoint.on(mesh, rules)`) whose `expert` axis has
   more than one device, the routed experts run in a `shard_map`: each device holds `E / expert` experts (and
   `I / tensor` of their width) and the tokens of its `data` shard, which every device of the `expert` and
   `tensor` axes already holds whole (activations are split over `data` only). So dispatch needs no

@@ -6,8 +6,9 @@ FFN-site mixes → collapse → MoE → expand. Layers are executed by `layout.l
 is one scanned body over its iterations, each run inside it one scanned body over its layers, with
 parameters stacked `[iterations, layers, ...]` and the layer index and KV slot of every layer fed in
 as scanned values. What flows from layer to layer (`Flow`) carries the whole request state, so the
-Global KV stacks and the rings are updated in place: a layer reads its ring by index and writes
-only the rows its chunk adds.
+Global KV stacks and the rings are updated in place: a layer's attention gets its view of the state
+(`LayerKV`: its ring, its group's source and compressor tail) and returns it with only the rows its chunk
+adds written, and the stack writes it back, the only writer of the `State`.
 """
 
 from __future__ import annotations
@@ -22,19 +23,18 @@ from flax import nnx
 
 from csa2 import cache, engram as engram_lib, engram_vocab, mhc
 from csa2.attention import Attention, attention
-from csa2.chunk import Chunk
-from csa2.compressor import compress
+from csa2.chunk import Chunk, take_rows
 from csa2.config import ModelConfig
+from csa2.context import Context
 from csa2.engram import Engram
+from csa2.hooks import OWN_TOPK, Instrument
 from csa2.indexer import Bus
 from csa2.layout import Group, LayerSpec, kv_address, layer_groups, layer_plan
 from csa2.moe import MoE, moe
 from csa2.norm import rms_norm
 from csa2.params import linear, ones
-from csa2.probe import Probe, entries as probe_entries
-from csa2.selection import Policy
 from csa2.replay import DecoderTail, Extend, ReplayPlan, ReplayPolicy, plan as replay_plan
-from csa2.state import State
+from csa2.state import LayerKV, State
 
 Array = jax.Array
 
@@ -106,11 +106,10 @@ def split_layers(cfg: ModelConfig, per_layer: Array) -> list[list[Array]]:
 @chex.dataclass(frozen=True)
 class Outputs:
     """What one layer reports besides the flow (stacked along a leading layer axis by the runs): its MoE
-    load [E], its indexer KL (SPEC §13; 0 where not computed) and its probe record (or None)."""
+    load [E] and its tap (`csa2.hooks`; None with the default instrument)."""
 
     load: Array
-    kl: Array
-    probe: Probe | None = None
+    tap: Any = None
 
 
 @chex.dataclass(frozen=True)
@@ -126,31 +125,6 @@ class Flow:
     features: Array | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """What every layer of a segment shares: the chunk of the rows in the flow, the Engram token window
-    of the whole chunk `[B, N−1+S]`, the chunk rows of the flow (`None` = every row), the first position
-    whose Global KV entries the call may write (`None` = any; SPEC §11 encoder replay), the numerics,
-    the entry width of the probes each layer records (`None` = no probes; `csa2.probe`) and the KV-selection
-    policy every layer that reads Global KV follows from position `policy_start` on (`None` = its own top-k;
-    `csa2.selection`)."""
-
-    chunk: Chunk
-    history: Array | None
-    rows: Array | None
-    written_from: Array | None
-    quantize: bool
-    index_loss: str | None
-    probe: int | None = None
-    policy: Policy | None = None
-    policy_start: Array | None = None  # an int or one per row [B]
-
-
-def take_rows(x: Array, rows: Array) -> Array:
-    """x [B, S, ...] → x[b, rows[b, j]] [B, T, ...]."""
-    return jax.vmap(lambda a, i: a[i])(x, rows)
-
-
 def site_input(cfg: ModelConfig, hc: dict, norm: Array, X: Array, pre_prev: Array):
     """mHC coefficients of a site and its normed collapsed input (single-pass or standard, SPEC §10)."""
     pre, post, comb = mhc.coefficients(cfg, hc, X)
@@ -158,54 +132,69 @@ def site_input(cfg: ModelConfig, hc: dict, norm: Array, X: Array, pre_prev: Arra
     return rms_norm(y, norm, cfg.rms_norm_eps), pre, post, comb
 
 
-def _ring(swa, index: Array):
-    """Layer `index`'s ring `[B, slots, ·]` out of every layer's rings `[B, L, slots, ·]`."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, axis=1, keepdims=False), swa)
+def _at(tree, index: Array):
+    """Item `index` (may be traced) of axis 1 of every leaf: a layer's ring out of `[B, L, slots, ·]`, a source's
+    compressor tail out of its stack's `[B, G, slots, ·]`."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, axis=1, keepdims=False), tree)
 
 
-def _put_ring(swa, index: Array, ring):
-    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, index, axis=1), swa, ring)
+def _put(tree, index: Array, item):
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, index, axis=1), tree, item)
+
+
+def layer_kv(cfg: ModelConfig, spec: LayerSpec, state: State, index: Array, slot: Array | None) -> LayerKV:
+    """Layer `index`'s view of `state`: its ring, its group's Global KV (source `slot` of its stack) and, on a
+    Full layer, that source's compressor tail."""
+    ring = _at(state.swa, index)
+    if spec.kv_source is None:
+        return LayerKV(ring=ring)
+    stack_id = kv_address(cfg, spec.kv_source)[0]
+    compressor_tail = _at(state.tails[stack_id], slot) if spec.compresses else None
+    return LayerKV(ring=ring, source=state.global_kv[stack_id].source(slot), tail=compressor_tail)
+
+
+def put_layer_kv(cfg: ModelConfig, spec: LayerSpec, state: State, index: Array, slot: Array | None,
+                 kv: LayerKV) -> State:
+    """`state` with layer `index`'s view written back: its ring, and on a Full layer its source and tail (the
+    only layers that write Global KV)."""
+    state = state.replace(swa=_put(state.swa, index, kv.ring))
+    if not spec.compresses:
+        return state
+    stack_id = kv_address(cfg, spec.kv_source)[0]
+    return state.replace(global_kv=_replace(state.global_kv, stack_id, kv.source.stack()),
+                         tails=_replace(state.tails, stack_id, _put(state.tails[stack_id], slot, kv.tail)))
 
 
 def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, index: Array, slot: Array | None,
           enter: DecoderTail | None = None) -> tuple[Flow, Outputs]:
     """One layer (`index` and KV `slot` may be traced) on the rows of `flow`; returns the flow and
-    its `Outputs`. A Full layer compresses its own input first; at the replay split
-    (`enter`) its compressor still sees every row and the rest of the layer continues on the tail."""
-    X, state, chunk, bus = flow.X, flow.state, ctx.chunk, flow.bus
+    its `Outputs`. At the replay split (`enter`) a Full layer's compressor still sees every row and the rest
+    of the layer continues on the tail (`csa2.attention.attention`)."""
+    X, state = flow.X, flow.state
     if spec.has_engram:
-        hashes = engram_lib.engram_hashes(cfg, spec.index, ctx.history)  # [B, S, columns]
-        if ctx.rows is not None:
-            hashes = take_rows(hashes, ctx.rows)
-        X = engram_lib.engram(cfg, p["engram"], X, hashes, chunk.valid(X.shape[1]))
+        with jax.named_scope("engram"):
+            hashes = engram_lib.engram_hashes(cfg, spec.index, ctx.history)  # [B, S, columns]
+            if ctx.rows is not None:
+                hashes = take_rows(hashes, ctx.rows)
+            X = engram_lib.engram(cfg, p["engram"], X, hashes, ctx.chunk.valid(X.shape[1]))
     features = None if flow.features is None else _collect(cfg, flow.features, X, index)
-    x, pre, post, comb = site_input(cfg, p["attn_hc"], p["attn_norm"], X, flow.pre)
-
-    source = None
-    if spec.kv_source is not None:
-        stack = kv_address(cfg, spec.kv_source)[0]
-        source = state.global_kv[stack].source(slot)
-        if spec.compresses:
-            tails = state.tails[stack]
-            tail = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=False), tails)
-            source, tail = compress(cfg, p["attn"]["compressor"], spec.ratio, source, tail, x, chunk.start,
-                                    chunk.n_valid, quantize=ctx.quantize, written_from=ctx.written_from)
-            tails = jax.tree.map(lambda a, t: jax.lax.dynamic_update_index_in_dim(a, t, slot, axis=1), tails, tail)
-            state = state.replace(global_kv=_replace(state.global_kv, stack, source.stack()),
-                                  tails=_replace(state.tails, stack, tails))
+    with jax.named_scope("attn_mix"):
+        x, pre, post, comb = site_input(cfg, p["attn_hc"], p["attn_norm"], X, flow.pre)
+    with jax.named_scope("attention"):
+        out, kv, bus, tap = attention(cfg, spec, p["attn"], x, layer_kv(cfg, spec, state, index, slot), flow.bus,
+                                      ctx, index, enter)
+        state = put_layer_kv(cfg, spec, state, index, slot, kv)
     if enter is not None:
-        X, x, pre, post, comb, bus, features = _take_tail((X, x, pre, post, comb, bus, features), enter)
-        chunk = enter.chunk
-
-    out, ring, bus, kl, probe = attention(cfg, spec, p["attn"], x, chunk, _ring(state.swa, index), source, bus,
-                                          quantize=ctx.quantize, index_loss=ctx.index_loss, probe=ctx.probe,
-                                          policy=ctx.policy, policy_start=ctx.policy_start, layer=index)
-    state = state.replace(swa=_put_ring(state.swa, index, ring))
-    X = mhc.update(X, out, post, comb)
-    x, ffn_pre, post, comb = site_input(cfg, p["ffn_hc"], p["ffn_norm"], X, pre)
-    y, load = moe(cfg, p["moe"], x)
-    X = mhc.update(X, y, post, comb)
-    return Flow(X=X, pre=ffn_pre, bus=bus, state=state, features=features), Outputs(load=load, kl=kl, probe=probe)
+        X, pre, post, comb, features = _decoder_rows((X, pre, post, comb, features), enter)
+    with jax.named_scope("attn_expand"):
+        X = mhc.update(X, out, post, comb)
+    with jax.named_scope("ffn_mix"):
+        x, ffn_pre, post, comb = site_input(cfg, p["ffn_hc"], p["ffn_norm"], X, pre)
+    with jax.named_scope("moe"):
+        y, load = moe(cfg, p["moe"], x)
+    with jax.named_scope("ffn_expand"):
+        X = mhc.update(X, y, post, comb)
+    return Flow(X=X, pre=ffn_pre, bus=bus, state=state, features=features), Outputs(load=load, tap=tap)
 
 
 def _collect(cfg: ModelConfig, features: Array, X: Array, index: Array) -> Array:
@@ -216,9 +205,9 @@ def _collect(cfg: ModelConfig, features: Array, X: Array, index: Array) -> Array
     return jnp.where(hit[None, None, :, None], mean, features)
 
 
-def _take_tail(tree, tail: DecoderTail):
-    """The tail rows of every `[B, S, ...]` leaf of `tree`."""
-    return jax.tree.map(lambda a: take_rows(a, tail.rows), tree)
+def _decoder_rows(tree, decoder: DecoderTail):
+    """The decoder tail's rows of every `[B, S, ...]` leaf of `tree`."""
+    return jax.tree.map(lambda a: take_rows(a, decoder.rows), tree)
 
 
 def _replace(items: tuple, i: int, value: Any) -> tuple:
@@ -332,11 +321,11 @@ def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Contex
 
 
 def _enter(cfg: ModelConfig, params: dict, split: int, flow: Flow, ctx: Context,
-           tail: DecoderTail) -> tuple[Flow, Outputs]:
-    """The split layer: its compressor on every row, the rest of it on the tail rows."""
+           decoder: DecoderTail) -> tuple[Flow, Outputs]:
+    """The split layer: its compressor on every row, the rest of it on the decoder tail's rows."""
     spec = layer_plan(cfg)[split]
     slot = None if spec.kv_source is None else jnp.int32(kv_address(cfg, spec.kv_source)[1])
-    flow, y = layer(cfg, spec, layer_params(cfg, params, split), flow, ctx, jnp.int32(split), slot, enter=tail)
+    flow, y = layer(cfg, spec, layer_params(cfg, params, split), flow, ctx, jnp.int32(split), slot, enter=decoder)
     return flow, jax.tree.map(lambda a: a[None], y)
 
 
@@ -351,10 +340,9 @@ class StackOut:
     n_rows: Array  # [B] how many of them are real (the rest repeat the last chunk column)
     state: State
     load: Array  # [L, E] MoE load per layer
-    index_kl: Array  # [L] indexer KL loss per layer (SPEC §13; 0 where not computed)
     work: Array  # int32: token×layer count processed (instrumentation of SPEC §11)
     features: Array | None  # [B, T, n_t, d] DSpark target features of the rows in X (when collected)
-    probe: Probe | None  # [L, B, S, ...] every layer's probe record (exact mode, when asked; `csa2.probe`)
+    tap: Any  # every layer's tap stacked [L, ...] (`csa2.hooks`; None with the default instrument)
 
 
 def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Array:
@@ -365,15 +353,18 @@ def _history(cfg: ModelConfig, state: State, tokens: Array, start: Array) -> Arr
     return jnp.concatenate([jnp.where(pos >= 0, past, cfg.engram_pad_id), tokens], axis=1)
 
 
+def largest_source(state: State) -> int:
+    """The entry count of the state's largest Global KV source (`hooks.Sight.entries`)."""
+    return max((g.kv.payload.shape[2] for g in state.global_kv), default=0)
+
+
 def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: Array, replay: ReplayPolicy, *,
-          quantize: bool, extend: Extend | None = None, index_loss: str | None = None,
-          features: bool = False, probe: bool = False, policy: Policy | None = None,
-          policy_start: Array | None = None) -> StackOut:
+          quantize: bool, extend: Extend | None = None, features: bool = False,
+          instrument: Instrument = OWN_TOPK) -> StackOut:
     """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real) of
     `extend` (None: the chunk is the whole extend). `features`: also collect the DSpark target features
-    of the rows that reach the head (SPEC §12). `probe`: every layer records its `csa2.probe.Probe`
-    (exact mode only: every layer sees every row). `policy`: a KV-selection baseline replaces what every
-    Global-reading layer reads from position `policy_start` (int or [B]) on (SPEC §14, `csa2.selection`).
+    of the rows that reach the head (SPEC §12). `instrument`: what every Global-reading layer reads and what
+    every layer taps (`csa2.hooks`).
 
     Three segments: before the split every row runs with no floor; at the split the flow enters the
     decoder tail (bounded replay only; inside the split layer when it compresses, before it otherwise);
@@ -386,34 +377,32 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     chunk = Chunk(start=state.length, n_valid=n_valid, floor=encoder_floor)
     plan: ReplayPlan = replay_plan(cfg, replay, chunk, s, state.floor, extend)
     history = engram_vocab.compressed(params, _history(cfg, state, tokens, chunk.start)) if cfg.engram_layer_ids else None
-    X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
+    with jax.named_scope("embed"):
+        X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
     flow = Flow(X=X, pre=jnp.broadcast_to(mhc.first_pre(cfg.hc_mult), (b, s, cfg.hc_mult)),
                 bus=Bus.empty(cfg, b, s), state=state,
                 features=jnp.zeros((b, s, len(cfg.dspark_target_layer_ids), cfg.hidden_size), jnp.float32)
                 if features else None)
     before, at, after = segments(cfg, plan.split, plan.cut)
-    width = probe_entries(state) if probe else None
-    everyone = Context(chunk=chunk, history=history, rows=None, written_from=written_from, quantize=quantize,
-                       index_loss=index_loss, probe=width, policy=policy, policy_start=policy_start)
-    tail = Context(chunk=plan.tail.chunk, history=history, rows=plan.tail.rows if plan.cut else None,
-                   written_from=written_from, quantize=quantize, index_loss=index_loss, probe=width, policy=policy,
-                   policy_start=policy_start)
+    before_split = Context(chunk=chunk, history=history, rows=None, written_from=written_from, quantize=quantize,
+                           instrument=instrument, entries=largest_source(state))
+    from_split = dataclasses.replace(before_split, chunk=plan.tail.chunk, rows=plan.tail.rows if plan.cut else None)
 
     groups = layer_groups(cfg)
     ys, work = [], jnp.zeros((), jnp.int32)
     for unit in before:
-        flow, y = run_unit(cfg, params, unit, flow, everyone)
+        flow, y = run_unit(cfg, params, unit, flow, before_split)
         ys.append(y)
         work += unit.layers(groups) * jnp.sum(chunk.n_valid)
     if at is not None:
-        flow, y = _enter(cfg, params, at, flow, everyone, plan.tail)
+        flow, y = _enter(cfg, params, at, flow, before_split, plan.tail)
         ys.append(y)
         work += jnp.sum(chunk.n_valid)  # every row enters the split layer
     elif plan.cut:  # the split layer does not compress: the tail enters before it
-        X, pre, bus, collected = _take_tail((flow.X, flow.pre, flow.bus, flow.features), plan.tail)
+        X, pre, bus, collected = _decoder_rows((flow.X, flow.pre, flow.bus, flow.features), plan.tail)
         flow = flow.replace(X=X, pre=pre, bus=bus, features=collected)
     for unit in after:
-        flow, y = run_unit(cfg, params, unit, flow, tail)
+        flow, y = run_unit(cfg, params, unit, flow, from_split)
         ys.append(y)
         work += unit.layers(groups) * jnp.sum(plan.tail.chunk.n_valid)
     y = jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
@@ -424,10 +413,11 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
         tokens_ring = cache.ring_scatter(tokens_ring, chunk.positions(s), tokens, chunk.valid(s), chunk.end)
     state = state.replace(length=chunk.end, floor=plan.tail.chunk.floor, tokens=tokens_ring)
     return StackOut(X=flow.X, pre=flow.pre, rows=plan.tail.rows, n_rows=plan.tail.chunk.n_valid, state=state,
-                    load=y.load, index_kl=y.kl, work=work, features=flow.features, probe=y.probe)
+                    load=y.load, work=work, features=flow.features, tap=y.tap)
 
 
 def logits(cfg: ModelConfig, params: dict, X: Array, pre: Array) -> Array:
     """Final collapse with the last site's pre (SPEC §10), norm, LM head: [B, T, n, d] → [B, T, V] float32."""
-    y = mhc.collapse(X, pre)
-    return linear(rms_norm(y, params["norm"], cfg.rms_norm_eps), params["head"], cfg.dtype)
+    with jax.named_scope("lm_head"):
+        y = mhc.collapse(X, pre)
+        return linear(rms_norm(y, params["norm"], cfg.rms_norm_eps), params["head"], cfg.dtype)

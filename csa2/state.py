@@ -55,7 +55,7 @@ import numpy as np
 from csa2.config import ModelConfig
 from csa2.layout import kv_stacks
 from pallas_kernels.formats import INDEX, MAIN, WINDOW, entry_bytes
-from pallas_kernels.stored import Stored
+from pallas_kernels.stored import NO_ENTRY, Stored
 
 CACHE_FORMATS = ("fp4", "float")
 Array = jax.Array
@@ -98,7 +98,7 @@ class SourceKV:
 
     def rows(self, ids: Array) -> Array:
         """Row ids of the flat buffers for entry ids (−1 stays −1)."""
-        return jnp.where(ids >= 0, ids + self.offset, -1)
+        return jnp.where(ids >= 0, ids + self.offset, NO_ENTRY)
 
     def ikeys(self) -> Stored:
         """This source's Indexer K `[B, N, ·]`, for the full scan that reads every entry anyway."""
@@ -129,6 +129,20 @@ class CompressorTail:
 
     kv: Array
     gate: Array
+
+
+@chex.dataclass(frozen=True)
+class LayerKV:
+    """One layer's view of the request state: what its attention reads and returns updated (`csa2.stack`
+    reads it out of the `State` and writes it back, the only writer).
+
+    ring: this layer's SWA ring, WINDOW entries [B, slots, ·]; source: its group's Global KV (None on SWA
+    layers); tail: the compressor tail of that source [B, tail_slots, head_dim] (Full layers only, else None).
+    """
+
+    ring: Stored
+    source: SourceKV | None = None
+    tail: CompressorTail | None = None
 
 
 @chex.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """KV-selection baselines at an equal read budget (SPEC §14): what each policy reads, keeps and loses for ever,
 and what that costs in retrieval and in bits per byte.
 
-Every policy of `csa2.selection` runs inside the model (`forward(..., policy=, policy_start=)`, SPEC §8
+Every policy of `research.selection` runs inside the model (`forward(..., instrument=)`, SPEC §8
 numerics, probes on): the positions before `start` are the prefill and read the model's own top-k, the ones
 from `start` on read what the policy chooses, `index_topk` Global entries per step (the budget; PyramidKV: on
 average over layers), next to the sliding window every policy keeps. "csa2" is the model's own indexer.
@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import model, selection
+from csa2 import model
 from csa2.config import ModelConfig
+from csa2.hooks import Joined
 from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
-from csa2.probe import Probe
 from experiments import topk
+from research import selection
+from research.probe import Probe, Probes
 from train.data import multi_needle_example, passkey_example
 
 NAMES = ("csa2", "oracle", "streamingllm", "h2o", "snapkv", "pyramidkv", "quest")
@@ -45,9 +47,9 @@ def policies() -> dict[str, selection.Policy | None]:
 def run(cfg: ModelConfig, params, tokens, policy: selection.Policy | None, start) -> tuple[np.ndarray, Probe]:
     """Log-probabilities `[B, S, V]` and every layer's probe record `[L, B, S, ·]` of `tokens [B, S]` under
     `policy` from position `start` (an int or one per row) on, as host arrays."""
-    logits, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, probe=True, policy=policy,
-                                policy_start=None if policy is None else start)
-    return np.asarray(jax.nn.log_softmax(logits, axis=-1)), jax.tree.map(np.asarray, aux["probe"])
+    instrument = Probes() if policy is None else Joined(selection.KVSelection(policy, start), Probes())
+    logits, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, instrument=instrument)
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1)), jax.tree.map(np.asarray, aux["tap"])
 
 
 def budget_use(cfg: ModelConfig, rec: Probe, policy: selection.Policy | None, start) -> dict[str, float]:

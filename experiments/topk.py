@@ -1,7 +1,7 @@
 """Top-K under the microscope (SPEC §5): how much of the attention that matters each layer's selection finds.
 
-`probe` runs the model once (`csa2.model.forward(..., probe=True)`, SPEC §8 numerics) and returns every
-layer's record (`csa2.probe.Probe`): the dense attention mass of each Global entry next to what the layer
+`probe` runs the model once (`csa2.model.forward(..., instrument=Probes())`, SPEC §8 numerics) and returns
+every layer's record (`research.probe.Probe`): the dense attention mass of each Global entry next to what the layer
 read. The measures below are host-side arithmetic on those records:
 
 - recall(set) = Σ_{e ∈ set} mass_e / Σ_e mass_e: the share of the Global attention mass the set captures;
@@ -26,13 +26,13 @@ from csa2 import model
 from csa2.config import ModelConfig
 from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
-from csa2.probe import Probe
+from research.probe import Probe, Probes
 
 
 def probe(cfg: ModelConfig, params, tokens) -> Probe:
     """Every layer's probe record for prompts `tokens [B, S]`, as host arrays `[L, B, S, ·]`."""
-    _, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, probe=True)
-    return jax.tree.map(np.asarray, aux["probe"])
+    _, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, instrument=Probes())
+    return jax.tree.map(np.asarray, aux["tap"])
 
 
 def selected(ids: np.ndarray, n: int) -> np.ndarray:

@@ -29,9 +29,12 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from csa2 import model, sharding
+from csa2 import model
+from csa2.boundary import entry_point
 from csa2.config import EOS_ID, PAD_ID, ModelConfig
+from csa2.mesh import PARAMS, ROWS, Rules
 from csa2.replay import ReplayPolicy
 from csa2.sampling import sample
 from csa2.state import State, init_state, token_granule, validate_state_args
@@ -92,7 +95,12 @@ class Plan(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 # The compiled loop
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "max_new_tokens", "replay", "cache_format"))
+def checked_by_plan(**_) -> None:
+    """The host check of the generate loops: none, their inputs come from `plan`, which validates them."""
+
+
+@entry_point(checked_by_plan, static_argnames=("cfg", "capacity", "max_new_tokens", "replay", "cache_format"),
+             place=dict(params=PARAMS, tokens=ROWS, n_valid=ROWS), out=(ROWS, ROWS, ROWS))
 def generate_loop(cfg: ModelConfig, params: dict, tokens: Array, n_valid: Array, key: Array, eos_id: Array,
                   temperature: Array, top_p: Array, *, capacity: int, max_new_tokens: int,
                   replay: ReplayPolicy, cache_format: str) -> tuple[Array, Array, State]:
@@ -208,43 +216,24 @@ def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampli
                 max_new_tokens=int(max_new_tokens), replay=replay, cache_format=cache_format)
 
 
-def run(cfg: ModelConfig, params: dict, p: Plan, compiled=None) -> GenerateResult:
-    """Run `generate_loop` on a plan, or `compiled`, its AOT executable (`lower(...).compile()`)."""
-    if compiled is None:
-        out, lengths, state = generate_loop(cfg, params, *p.traced(), **p.static())
-    else:
+def run(cfg: ModelConfig, params: dict, p: Plan, compiled=None, *, mesh: Mesh | None = None,
+        rules: Rules | None = None) -> GenerateResult:
+    """Run `generate_loop` on a plan, or `compiled`, its AOT executable (`lower(...).compile()`). With `mesh` and
+    `rules`, the loop compiled for that mesh (`EntryPoint.on`: `params` placed by `csa2.sharding.shard_params`,
+    the prompts, counts, new tokens and state split over `data`, traced under the mesh, so the MoE runs
+    expert-parallel); one program per plan's static arguments, as on one device."""
+    if compiled is not None:
         out, lengths, state = compiled(params, *p.traced())
+    elif mesh is not None:
+        out, lengths, state = generate_loop.on(mesh, rules)(cfg, params, *p.traced(), **p.static())
+    else:
+        out, lengths, state = generate_loop(cfg, params, *p.traced(), **p.static())
     return GenerateResult(tokens=np.asarray(out), lengths=np.asarray(lengths), state=state)
 
 
 def lower(cfg: ModelConfig, params: dict, p: Plan):
     """`generate_loop` lowered for this plan: `.compile()` it to time compilation apart from the run."""
     return generate_loop.lower(cfg, params, *p.traced(), **p.static())
-
-
-class Sharded:
-    """`generate_loop` compiled for a device mesh (`csa2.sharding`): parameters in the rules' shardings, the
-    prompts, their counts, the new tokens and the returned state split over `data`, the rest replicated; traced
-    under the mesh, so the MoE runs expert-parallel. `run(params, plan)` is `run` for placed parameters
-    (`sharding.shard_params`); one program per plan's static arguments, as `generate_loop`."""
-
-    def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules):
-        self.cfg, self.mesh = cfg, mesh
-        self.params = sharding.param_state_shardings(cfg, mesh, rules)
-        self._jitted: dict[tuple, object] = {}
-
-    def run(self, params, p: Plan) -> GenerateResult:
-        sharding.check_batch(p.tokens.shape[0], self.mesh, "prompts")
-        static = p.static()
-        key = tuple(static.items())
-        if key not in self._jitted:
-            cfg, row, rep = self.cfg, sharding.rows(self.mesh), sharding.replicated(self.mesh)
-            self._jitted[key] = jax.jit(functools.partial(generate_loop.__wrapped__, cfg, **static),
-                                        in_shardings=(self.params, row, row, rep, rep, rep, rep),
-                                        out_shardings=(row, row, row))
-        with jax.set_mesh(self.mesh):
-            out, lengths, state = self._jitted[key](params, *p.traced())
-        return GenerateResult(tokens=np.asarray(out), lengths=np.asarray(lengths), state=state)
 
 
 def generate(cfg: ModelConfig, params: dict, prompts: Sequence | np.ndarray, lengths=None, *, max_new_tokens: int,

@@ -28,15 +28,17 @@ tokens, as after `generate`) and is done: later steps commit nothing for it.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from csa2 import model
+from csa2.boundary import entry_point
 from csa2.config import EOS_ID, PAD_ID, ModelConfig
+from csa2.mesh import PARAMS, REPLICATED, ROWS, Rules
 from csa2.replay import ReplayPolicy, drafting_replay
 from csa2.sampling import distribution, sample
 from csa2.state import State, init_state, token_granule, validate_state_args
@@ -110,7 +112,11 @@ def _emit(out: Array, count: Array, tokens: Array, n_new: Array) -> Array:
 # ---------------------------------------------------------------------------------------------
 # The compiled loop
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "max_new_tokens", "replay", "cache_format", "widths"))
+@entry_point(generate.checked_by_plan,
+             static_argnames=("cfg", "capacity", "max_new_tokens", "replay", "cache_format", "widths"),
+             place=dict(params=PARAMS, tokens=ROWS, n_valid=ROWS),
+             out=(ROWS, ROWS, ROWS, dict(steps=REPLICATED, accepted=ROWS, row_steps=ROWS, position_accepts=ROWS,
+                                        position_tries=ROWS, widths=REPLICATED)))
 def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, key: Array, eos_id: Array,
                      temperature: Array, top_p: Array, sps: Array, *, capacity: int, max_new_tokens: int,
                      replay: ReplayPolicy, cache_format: str, widths: tuple[int, ...]):
@@ -202,7 +208,8 @@ def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarra
                          max_new_tokens: int, sampling: generate.Sampling = generate.Sampling(),
                          eos_id: int | None = EOS_ID, replay: ReplayPolicy = ReplayPolicy(),
                          cache_format: str = "fp4", seed: int = 0, gamma: int | None = None,
-                         sps: SpsTable | None = None) -> SpecResult:
+                         sps: SpsTable | None = None, mesh: Mesh | None = None,
+                         rules: Rules | None = None) -> SpecResult:
     """Continue each prompt by up to `max_new_tokens` tokens with DSpark speculative decoding.
 
     Arguments as `infer.generate.generate`, plus `gamma` (fixed drafts per verify, default
@@ -214,6 +221,9 @@ def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarra
     first context `[L − W, L − 1]` needs decoder features of W prompt rows, and only running the decoder on them
     makes them; with R < W as given the first drafts would see R rows (`csa2.dspark` gives the acceptance lost).
     So greedy output with R < W equals `generate` with the raised window, not with R.
+
+    `mesh` and `rules`: the loop compiled for that mesh (`EntryPoint.on`; `params` placed by
+    `csa2.sharding.shard_params`, the prompts, new tokens, state and per-row statistics split over `data`).
     """
     if not cfg.num_nextn_predict_layers:
         raise ValueError("num_nextn_predict_layers=0: this config has no DSpark drafter; speculative decoding "
@@ -244,7 +254,8 @@ def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarra
         raise ValueError(f"max_new_tokens={max_new_tokens}: the longest prompt + new tokens + a verify block "
                          f"({need} positions) exceeds max_position_embeddings={cfg.max_position_embeddings}")
     validate_state_args(cfg, len(p.n_valid), capacity, cache_format)
-    out, count, state, stats = speculative_loop(
+    loop = speculative_loop if mesh is None else speculative_loop.on(mesh, rules)
+    out, count, state, stats = loop(
         cfg, params, *p.traced(), rates, capacity=capacity, max_new_tokens=p.max_new_tokens,
         replay=drafting_replay(cfg, p.replay), cache_format=p.cache_format, widths=widths)
     stats = jax.device_get(stats)

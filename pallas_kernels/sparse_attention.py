@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _common, row_dma
 from pallas_kernels.formats import MAIN, WINDOW, decode_entries
-from pallas_kernels.stored import Stored
+from pallas_kernels.stored import NO_ENTRY, Stored
 
 Array = jax.Array
 
@@ -171,7 +171,7 @@ def _nonempty(data, scale, idx):
     b, s = idx.shape[:2]
     data = jnp.zeros((b, 1, data.shape[2]), data.dtype)
     scale = None if scale is None else jnp.zeros((b, 1, scale.shape[2]), scale.dtype)
-    return data, scale, jnp.full((b, s, 1), -1, jnp.int32)
+    return data, scale, jnp.full((b, s, 1), NO_ENTRY, jnp.int32)
 
 
 def _gpu_call(q, sink, main, main_scale, main_idx, window, window_scale, window_idx, *, target, bh, kb, wb,
@@ -273,8 +273,8 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
         else:
             num_splits = 1
     kb, wb = (_entry_block(target, n, blk, num_splits, d, bh) for n, blk in ((k, block_k), (w, block_w)))
-    main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, num_splits * kb), -1)
-    window_idx = _common.pad_axis(window_idx, 2, _common.round_up(w, num_splits * wb), -1)
+    main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, num_splits * kb), NO_ENTRY)
+    window_idx = _common.pad_axis(window_idx, 2, _common.round_up(w, num_splits * wb), NO_ENTRY)
     q = _common.pad_axis(q, 2, hp, 0)
     sink = _common.pad_axis(sink.astype(jnp.float32), 0, hp, 0)[:, None]  # [Hp, 1]
     operands = (q, sink, main, main_scale, main_idx, window, window_scale, window_idx)
@@ -445,8 +445,8 @@ def _sparse_attention_bwd(q, sink, main: Stored, main_idx, window: Stored, windo
     bh = _head_block(target, h, block_h)
     hp = _common.round_up(h, bh)
     kb, wb = (_entry_block(target, n, blk, 1, d, 2 * bh) for n, blk in ((k, block_k), (w, block_w)))  # q, dO
-    main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, kb), -1)
-    win_idx = _common.pad_axis(win_idx, 2, _common.round_up(w, wb), -1)
+    main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, kb), NO_ENTRY)
+    win_idx = _common.pad_axis(win_idx, 2, _common.round_up(w, wb), NO_ENTRY)
     do = do.astype(jnp.float32)
     delta = jnp.sum(do * out, axis=-1, keepdims=True)  # [B, S, H, 1]
     # Padded heads: q = dO = 0, lse = +inf, so their p and every gradient they touch are 0.

@@ -27,6 +27,8 @@ from pallas_kernels.formats import QuantFormat, as_bits, decode_entries, quantiz
 
 Array = jax.Array
 
+NO_ENTRY = -1  # a row or entry id that names nothing: a read of it sees no entry, a write to it is dropped
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["payload", "scale"], meta_fields=["fmt"])
 @dataclasses.dataclass(frozen=True)

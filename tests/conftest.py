@@ -6,7 +6,7 @@ code generation at -O0.
 time (small shapes, many programs), and LLVM's optimizations are most of it; at -O0 a compile-heavy file runs in
 about two thirds of the time. The HLO and its passes (fusion, layout, buffer assignment) are the same; only the
 machine code is less optimized. Test subprocesses and notebook kernels inherit it through the environment
-(`csa2.sharding.simulated_cpu_env` keeps it when it adds the device count).
+(`csa2.mesh.simulated_cpu_env` keeps it when it adds the device count).
 
 The cache: `fresh_compile_caches` drops every compiled program after each module, and the notebook tests run
 notebooks in fresh kernels (which inherit these settings through the environment); a program compiled again

@@ -5,7 +5,7 @@
 One JSON line per measurement with the machine and the config (the `infer.bench_model` reporter):
 `compile` (lower and compile seconds of the jitted update) and `train_step` (median step seconds
 after compilation, tokens per second). `--mesh` also times the step sharded on that mesh
-(`train.step.Sharded`; on simulated CPU devices when this process has fewer) and prints
+(`train_step.on(mesh, rules)`; on simulated CPU devices when this process has fewer) and prints
 `train_step_sharded` with its ratio to the one-device step measured in the same run: on CPU devices
 that share the cores, the ratio shows the partitioning's overhead, not a speed-up.
 """
@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import sharding
+from csa2 import mesh as mesh_lib
 from csa2.config import PRESETS, preset
 from infer.bench_model import Reporter, config_info, machine_info
 from train.plan import parse_mesh, rerun_with_devices
-from train.step import Sharded, TrainConfig, init_train_state, train_step
+from train.step import TrainConfig, init_train_state, train_state_shardings, train_step
 
 
 def _median_step(step, state, batch, steps: int) -> float:
@@ -81,15 +81,16 @@ def main(argv: list[str] | None = None) -> int:
              tokens_per_s=round(args.batch_size * args.seq_len / med, 1))
     if shape is not None:
         try:
-            mesh = sharding.make_mesh(shape, jax.devices()[:devices])
-            sharding.check_batch(args.batch_size, mesh, "--batch-size")
-            trainer = Sharded(cfg, tc, mesh, sharding.rules_for(args.config))
-            placed = [jax.device_put(b, sharding.rows(mesh)) for b in batch]
-            state = trainer.place(init_train_state(cfg, tc))
+            mesh = mesh_lib.make_mesh(shape, jax.devices()[:devices])
+            rules = mesh_lib.rules_for(args.config)
+            mesh_lib.check_batch(args.batch_size, mesh, "--batch-size")
+            placed = [jax.device_put(b, mesh_lib.rows(mesh, rules)) for b in batch]
+            state = init_train_state(cfg, tc)
+            state = jax.device_put(state, train_state_shardings(state, mesh, rules))
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        step = trainer.step(state, *placed, qat=qat, lower=True).compile()
+        step = train_step.on(mesh, rules).lower(cfg, tc, state, *placed, qat=qat).compile()
         sharded = _median_step(step, state, placed, args.steps)
         rep.emit("train_step_sharded", qat=qat, mesh=dict(mesh.shape), devices=devices, steps=args.steps,
                  median_step_s=round(sharded, 4), vs_one_device=round(sharded / med, 3))

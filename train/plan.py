@@ -2,8 +2,8 @@
 per-device memory of the decode step and the train step on a device mesh, ahead of time.
 
 Nothing is materialized: parameters, optimizer state, request state and tokens are `jax.ShapeDtypeStruct`s
-carrying their shardings (`csa2.sharding`), the two steps are lowered and compiled for the mesh
-(`csa2.sharding.Sharded`, `train.step.Sharded`), and the figures come from the shardings (bytes each device
+carrying their shardings (`csa2.mesh`, `csa2.sharding`), the two steps are lowered and compiled for the mesh
+(`model.decode_step.on(mesh, rules)`, `train_step.on(mesh, rules)`), and the figures come from the shardings (bytes each device
 holds) and from the compiled programs' memory analysis (arguments, outputs, donated aliases, temporaries),
 next to the collectives the partitioner put in each program. A mesh needs as many devices as it names; when
 this process has fewer, the command runs itself again on that many simulated CPU devices, so the
@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import model, sharding
+from csa2 import mesh as mesh_lib, model, sharding
 from csa2 import state as state_lib
 from csa2.config import ENGRAM_TABLE_FORMATS, PRESETS, ModelConfig, preset
 from csa2.state import CACHE_FORMATS
-from train.step import TrainConfig, Sharded as ShardedTrain, init_train_state
+from train.step import TrainConfig, init_train_state, train_state_shardings, train_step
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -66,7 +66,7 @@ class Plan:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """`"data=8,expert=64"` → `{"data": 8, "expert": 64}` (axes of `csa2.sharding.MESH_AXES`)."""
+    """`"data=8,expert=64"` → `{"data": 8, "expert": 64}` (axes of `csa2.mesh.MESH_AXES`)."""
     shape = {}
     for part in filter(None, text.split(",")):
         axis, _, size = part.partition("=")
@@ -94,24 +94,24 @@ def _placed(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def plan(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules, context: int, batch: int, seq_len: int,
+def plan(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: mesh_lib.Rules, context: int, batch: int, seq_len: int,
          cache_format: str = "fp4", tc: TrainConfig = TrainConfig()) -> Plan:
     """Compile `decode_step` (a `batch`-row state of `context` tokens) and `train_step` (`batch` × `seq_len`)
     for `mesh` from shapes alone and measure them."""
     for name, value in (("context", context), ("batch", batch), ("seq_len", seq_len)):
         if value < 1:
             raise ValueError(f"{name}={value}: must be ≥ 1")
-    sharding.check_batch(batch, mesh, "batch")
-    api, trainer = sharding.Sharded(cfg, mesh, rules), ShardedTrain(cfg, tc, mesh, rules)
-    row = sharding.rows(mesh)
-    params = _placed(model.abstract_params(cfg), api.params)
+    mesh_lib.check_batch(batch, mesh, "batch")
+    row = mesh_lib.rows(mesh, rules)
+    params = _placed(model.abstract_params(cfg), sharding.param_state_shardings(cfg, mesh, rules))
     abstract = state_lib.abstract_state(cfg, batch, context, cache_format)
     state = _placed(abstract, sharding.state_shardings(abstract, mesh))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=row)
-    decode = _program(api.decode_step(params, state, tokens, lower=True).compile())
-    train_state = _placed(jax.eval_shape(lambda: init_train_state(cfg, tc)), trainer.shardings)
+    decode = _program(model.decode_step.on(mesh, rules).lower(cfg, params, state, tokens).compile())
+    abstract_train = jax.eval_shape(lambda: init_train_state(cfg, tc))
+    train_state = _placed(abstract_train, train_state_shardings(abstract_train, mesh, rules))
     batch_tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=row)
-    train = _program(trainer.step(train_state, batch_tokens, batch_tokens, lower=True).compile())
+    train = _program(train_step.on(mesh, rules).lower(cfg, tc, train_state, batch_tokens, batch_tokens).compile())
     return Plan(mesh=dict(mesh.shape), params=held_bytes(params), opt_state=held_bytes(train_state.opt_state),
                 state=held_bytes(state), decode=decode, train=train)
 
@@ -148,7 +148,7 @@ def rerun_with_devices(module: str, argv: list[str] | None, devices: int) -> int
     simulated CPU devices and return its exit code; None when this process has enough (or is the re-run)."""
     if jax.device_count() >= devices or os.environ.get(_ENV):
         return None
-    env = {**sharding.simulated_cpu_env(devices), _ENV: "1"}
+    env = {**mesh_lib.simulated_cpu_env(devices), _ENV: "1"}
     return subprocess.run([sys.executable, "-m", module, *(sys.argv[1:] if argv is None else argv)], env=env).returncode
 
 
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         code = rerun_with_devices("train.plan", argv, devices)
         if code is not None:
             return code
-        mesh = sharding.make_mesh(shape, jax.devices()[:devices])
+        mesh = mesh_lib.make_mesh(shape, jax.devices()[:devices])
         cfg = preset(args.preset)
         cfg = cfg if args.engram_table is None else cfg.replace(engram_table_format=args.engram_table)
-        p = plan(cfg, mesh, sharding.rules_for(args.preset), args.context, args.batch, args.seq_len,
+        p = plan(cfg, mesh, mesh_lib.rules_for(args.preset), args.context, args.batch, args.seq_len,
                  args.cache_format)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,9 +5,9 @@ default (`TrainConfig.qat_from = 0`: fake-quant from the first step); float is t
 `RouterBias` variables, which the optimizer leaves alone by type; after each step they move by
 `csa2.model.update_router_bias` from the step's measured expert loads.
 
-`Sharded(cfg, tc, mesh, rules)` is the step compiled for a device mesh (`csa2.sharding`): explicit shardings
-for the whole `TrainState` (parameters by the rules, each optimizer moment like its parameter), the batch
-split over `data`; the loads it balances by are summed over the global batch.
+`train_step.on(mesh, rules)` is the step compiled for a device mesh (`csa2.boundary.EntryPoint.on`): explicit
+shardings for the whole `TrainState` (`train_state_shardings`: parameters by the rules, each optimizer moment like
+its parameter), the batch split over `data`; the loads it balances by are summed over the global batch.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from csa2 import model, sharding
+from csa2 import model
+from csa2.boundary import entry_point
 from csa2.config import ModelConfig
+from csa2.index_loss import IndexLoss
+from csa2.mesh import PARAMS, REPLICATED, ROWS, Rules, replicated
 from csa2.replay import EXACT, ReplayPolicy
 
 Array = jax.Array
@@ -125,15 +128,42 @@ def losses(cfg: ModelConfig, tc: TrainConfig, params: nnx.State, inputs: Array, 
     """(total, aux): LM cross-entropy (weighted by `weights [B, L]`, uniform when None) on the rows that reach
     the head, plus the weighted indexer KL."""
     logits, aux = model.forward(cfg, params, inputs, qat=qat, replay=tc.replay,
-                                index_loss="dense" if dense else "sparse")
+                                instrument=IndexLoss("dense" if dense else "sparse"))
     rows = aux["rows"]  # [B, T]: all rows, or the decoder tail under replay
     mask = jnp.ones(rows.shape, jnp.float32) if weights is None else jnp.take_along_axis(weights, rows, axis=1)
     lm = token_loss(logits, jnp.take_along_axis(targets, rows, axis=1), mask)
-    kl = jnp.sum(aux["index_kl"]) / _index_layers(cfg)
+    kl = jnp.sum(aux["tap"]) / _index_layers(cfg)  # the indexer KL of each layer (0 off the index sources)
     return lm + tc.index_loss_weight * kl, {"lm": lm, "index_kl": kl, "load": aux["load"]}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tc", "dense", "qat"), donate_argnames=("state",))
+def train_state_shardings(state: TrainState, mesh: jax.sharding.Mesh, rules: Rules, what: str = "state") -> TrainState:
+    """The placement of a `TrainState` (`csa2.mesh`): parameters by the rules, each optimizer moment like the
+    parameter it follows (optax mirrors the parameter tree, so a moment's path ends with its parameter's), the
+    optimizer's counts, the step and the rng replicated."""
+    params = PARAMS(state.params, mesh, rules, f"{what}.params")
+    rep = replicated(mesh)
+    by_path = {path: s for path, s in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def like_its_parameter(path, _):
+        return next((by_path[path[i:]] for i in range(len(path)) if path[i:] in by_path), rep)
+
+    opt_state = jax.tree_util.tree_map_with_path(like_its_parameter, state.opt_state)
+    return TrainState(params=params, opt_state=opt_state, step=rep, rng=rep)
+
+
+def _check_step(cfg, tc, state, inputs, targets, weights, dense, qat) -> None:
+    if not isinstance(state, TrainState):
+        raise ValueError(f"state: expected a train.step.TrainState, got {type(state).__name__}")
+    if jnp.ndim(inputs) != 2 or jnp.shape(targets) != jnp.shape(inputs):
+        raise ValueError(f"inputs.shape={jnp.shape(inputs)}, targets.shape={jnp.shape(targets)}: give two [B, L] "
+                         "token arrays of one shape")
+    if weights is not None and jnp.shape(weights) != jnp.shape(inputs):
+        raise ValueError(f"weights.shape={jnp.shape(weights)}: give one loss weight per target, {jnp.shape(inputs)}")
+
+
+@entry_point(_check_step, static_argnames=("cfg", "tc", "dense", "qat"), donate_argnames=("state",),
+             place=dict(state=train_state_shardings, inputs=ROWS, targets=ROWS, weights=ROWS),
+             out=("state", REPLICATED))
 def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Array, targets: Array,
                weights: Array | None = None, dense: bool = False, qat: bool = True) -> tuple[TrainState, dict]:
     """One update on a batch `inputs, targets [B, L]`; returns the new state and scalar metrics.
@@ -157,45 +187,6 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
         "max_load": jnp.mean(jnp.max(load, axis=-1)) * cfg.n_routed_experts,  # 1.0 = perfectly balanced
     }
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
-
-
-class Sharded:
-    """`train_step` for `mesh`: `shardings` is the `TrainState` of every leaf's `NamedSharding` (parameters by
-    `rules`, each optimizer moment like the parameter it follows, counts, step and rng replicated); `place` puts
-    a state there and `step` runs one update on a batch split over `data`, the state donated, traced under the
-    mesh (the MoE runs expert-parallel)."""
-
-    def __init__(self, cfg: ModelConfig, tc: TrainConfig, mesh: jax.sharding.Mesh, rules: sharding.Rules):
-        self.cfg, self.tc, self.mesh = cfg, tc, mesh
-        params = sharding.param_state_shardings(cfg, mesh, rules)
-        rep = sharding.replicated(mesh)
-        by_path = {path: s for path, s in jax.tree_util.tree_flatten_with_path(params)[0]}
-
-        def like_its_parameter(path, _):  # a moment's path ends with its parameter's path (optax mirrors the tree)
-            return next((by_path[path[i:]] for i in range(len(path)) if path[i:] in by_path), rep)
-
-        moments = jax.eval_shape(optimizer(tc).init, model.abstract_params(cfg))
-        opt_state = jax.tree_util.tree_map_with_path(like_its_parameter, moments)
-        self.shardings = TrainState(params=params, opt_state=opt_state, step=rep, rng=rep)
-        self._jitted: dict[tuple, object] = {}
-
-    def place(self, state: TrainState) -> TrainState:
-        return jax.device_put(state, self.shardings)
-
-    def step(self, state: TrainState, inputs: Array, targets: Array, dense: bool = False, qat: bool = True,
-             lower: bool = False):
-        """`train_step(cfg, tc, state, inputs, targets, dense=, qat=)` (uniform loss weights); `lower=True`
-        returns it lowered for `state`, `inputs`, `targets` (placed arrays or shapes) instead of running it."""
-        sharding.check_batch(inputs.shape[0], self.mesh, "inputs")
-        if (dense, qat) not in self._jitted:
-            cfg, tc, row = self.cfg, self.tc, sharding.rows(self.mesh)
-            self._jitted[dense, qat] = jax.jit(
-                lambda s, i, t: train_step.__wrapped__(cfg, tc, s, i, t, None, dense, qat),
-                in_shardings=(self.shardings, row, row), out_shardings=(self.shardings, sharding.replicated(self.mesh)),
-                donate_argnums=(0,))
-        jitted = self._jitted[dense, qat]
-        with jax.set_mesh(self.mesh):
-            return jitted.lower(state, inputs, targets) if lower else jitted(state, inputs, targets)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "qat"))

@@ -18,7 +18,7 @@
 
 A checkpoint's tensors must match the config exactly: a tensor the map does not know (other than the
 vision tower, skipped with its reason), a missing one, a wrong shape, or a payload without its scale
-raise `ValueError` naming the tensor. With a mesh (`load_hf(..., mesh=, rules=)`, `csa2.sharding`) each
+raise `ValueError` naming the tensor. With a mesh (`load_hf(..., mesh=, rules=)`, `csa2.mesh`) each
 tensor is written straight into the host buffers of the shards it falls in (`HostShards`: only this
 process's addressable shards exist), and each parameter is assembled from them on its devices.
 """
@@ -45,7 +45,8 @@ from csa2.checkpoints.released import Tensor
 from csa2.config import RUNTIME, VARIANT, ModelConfig, fields_of, from_hf_config, model_differences, to_hf_config
 from csa2.engram import engram_table_rows
 from csa2.model import abstract_params
-from csa2.sharding import HostShards, Rules, param_shardings
+from csa2.mesh import HostShards, Rules
+from csa2.sharding import param_shardings
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -167,7 +168,7 @@ def _progress(items, what: str, show: bool):
 def _leaves(cfg: ModelConfig, dtype: np.dtype, shardings: dict | None) -> dict:
     """Empty host leaves of every parameter with a released tensor, in the pure-dict structure of
     `init_params(cfg)` (the compressed Engram vocabulary, which the release does not store, left out):
-    whole arrays, or with `shardings` the buffers of this process's shards (`sharding.HostShards`)."""
+    whole arrays, or with `shardings` the buffers of this process's shards (`csa2.mesh.HostShards`)."""
     tree = nnx.to_pure_dict(abstract_params(cfg))
     tree.pop(engram_vocab.PARAM, None)
 
@@ -218,7 +219,7 @@ def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: A
             engram_table: np.ndarray | None = None, mesh: Mesh | None = None, rules: Rules | None = None,
             progress: bool = False) -> tuple[ModelConfig, dict, Summary]:
     """`(cfg, parameters as a pure dict, Summary)` of the released checkpoint at `path`: numpy leaves, or with
-    a `mesh` (and its `rules`, `csa2.sharding`) `HostShards` holding only this process's shards of each.
+    a `mesh` (and its `rules`, `csa2.mesh`) `HostShards` holding only this process's shards of each.
 
     A model whose Engram hashes compressed ids (`csa2.engram_vocab.has_table`) gets its table from
     `engram_table` or, by default, from the checkpoint's `tokenizer.json`."""
@@ -226,7 +227,7 @@ def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: A
     start = time.perf_counter()
     cfg = read_config(path, cfg)
     if (mesh is None) != (rules is None):
-        raise ValueError("mesh and rules go together: pass both (rules=csa2.sharding.rules_for(preset)) or neither")
+        raise ValueError("mesh and rules go together: pass both (rules=csa2.mesh.rules_for(preset)) or neither")
     shardings = None if mesh is None else param_shardings(cfg, mesh, rules)
     vocab = _vocab_table(Path(path), cfg, engram_table) if engram_vocab.has_table(cfg) else None
     store = shards_lib.Shards(path)

@@ -1,8 +1,8 @@
 """A residual stack of attention sublayers only (no MoE/mHC): drives CSA2 state transitions in tests.
 
-It reads and writes the state the way `csa2.stack` does: a layer's SWA ring is row `i` of
-`state.swa [B, L, slots, ·]`, a KV source is `(stack, slot)` of `layout.kv_address` inside its
-stacked Global KV and tails.
+Each layer is the real sublayer on the real state: `csa2.stack.layer_kv` hands it its view of the state (ring,
+Global KV source, compressor tail), `csa2.attention.attention` returns it updated, and `csa2.stack.put_layer_kv`
+writes it back, as `csa2.stack.layer` does. Only the mHC and MoE around it are left out.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from flax import nnx
 
 from csa2.attention import Attention, attention
 from csa2.chunk import Chunk
-from csa2.compressor import compress
+from csa2.context import Context
+from csa2.hooks import OWN_TOPK
 from csa2.indexer import Bus
 from csa2.layout import kv_address, layer_plan
 from csa2.norm import rms_norm
+from csa2.stack import largest_source, layer_kv, put_layer_kv
 
 
 def init_stack(cfg, key):
@@ -26,33 +28,28 @@ def init_stack(cfg, key):
             for spec, k in zip(layer_plan(cfg), keys)]
 
 
+def context(state, start, n_valid, floor=None, *, quantize=True, instrument=OWN_TOPK):
+    """The `Context` of a chunk at `start` with `n_valid` real rows (no Engram, every row, any write)."""
+    chunk = Chunk(start=start, n_valid=n_valid, floor=jnp.zeros_like(start) if floor is None else floor)
+    return Context(chunk=chunk, history=None, rows=None, written_from=None, quantize=quantize,
+                   instrument=instrument, entries=largest_source(state))
+
+
 def stack_step(cfg, params, state, h, start, n_valid, floor=None, *, quantize=True):
     """h [B, S, d] → (outputs of every layer [L, B, S, d], new state). h_{l+1} = h_l + attn(norm(h_l))."""
     b, s, _ = h.shape
-    chunk = Chunk(start=start, n_valid=n_valid, floor=jnp.zeros_like(start) if floor is None else floor)
+    ctx = context(state, start, n_valid, floor, quantize=quantize)
     bus = Bus.empty(cfg, b, s)
-    gkv, tails, swa = list(state.global_kv), list(state.tails), state.swa
     outs = []
     for spec, p in zip(layer_plan(cfg), params):
-        i = spec.index
-        ring = jax.tree.map(lambda a: a[:, i], swa)
+        slot = None if spec.kv_source is None else jnp.int32(kv_address(cfg, spec.kv_source)[1])
         x = rms_norm(h, None, cfg.rms_norm_eps)
-        source = None
-        if spec.kv_source is not None:
-            k, slot = kv_address(cfg, spec.kv_source)
-            source = gkv[k].source(slot)
-            if spec.role == "full":
-                tail = jax.tree.map(lambda a: a[:, slot], tails[k])
-                source, tail = compress(cfg, p["compressor"], spec.ratio, source, tail, x, start, n_valid,
-                                        quantize=quantize)
-                gkv[k] = source.stack()
-                tails[k] = jax.tree.map(lambda a, t: a.at[:, slot].set(t), tails[k], tail)
-        out, ring, bus, _, _ = attention(cfg, spec, p, x, chunk, ring, source, bus, quantize=quantize)
-        swa = jax.tree.map(lambda a, r: a.at[:, i].set(r), swa, ring)
+        index = jnp.int32(spec.index)
+        out, kv, bus, _ = attention(cfg, spec, p, x, layer_kv(cfg, spec, state, index, slot), bus, ctx, index)
+        state = put_layer_kv(cfg, spec, state, index, slot, kv)
         h = h + out
         outs.append(out)
-    state = state.replace(length=start + n_valid, global_kv=tuple(gkv), tails=tuple(tails), swa=swa)
-    return jnp.stack(outs), state
+    return jnp.stack(outs), state.replace(length=start + n_valid)
 
 
 run_stack = jax.jit(stack_step, static_argnames=("cfg", "quantize"))

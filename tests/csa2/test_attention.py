@@ -10,7 +10,6 @@ import pytest
 import csa2.attention as attn
 from csa2.attention import grouped_output, window_ids
 from csa2.boundary import check_chunk
-from csa2.chunk import Chunk
 from csa2.config import preset
 from csa2.indexer import Bus
 from csa2.layout import kv_address, layer_plan
@@ -18,7 +17,8 @@ from csa2.norm import rms_norm
 from csa2.state import init_state
 from pallas_kernels import ops
 from pallas_kernels.reference import sink_attention
-from tests.csa2.attention_stack import init_stack, run_stack, stack_step
+from csa2.stack import layer_kv
+from tests.csa2.attention_stack import context, init_stack, run_stack, stack_step
 
 CFG = preset("mini")
 T, CAP, B = 40, 64, 2  # 40 tokens wrap the 21-slot rings and cross many ratio-2 boundaries
@@ -79,9 +79,9 @@ def test_inverse_rope_round_trips_own_value(params):
     p = dict(params[0], sink=jnp.full((cfg.num_attention_heads,), -1e30))
     state = init_state(cfg, 1, CAP, "float")
     x = _inputs(3, 5)[:1]
-    chunk = Chunk(start=_vec(7), n_valid=_vec(5), floor=_vec(0))
-    ring = jax.tree.map(lambda a: a[:, spec.index], state.swa)  # layer 0's ring [B, slots, ·]
-    out, *_ = attn.attention(cfg, spec, p, x, chunk, ring, None, Bus.empty(cfg, 1, 5), quantize=False)
+    ctx = context(state, _vec(7), _vec(5), quantize=False)
+    kv = layer_kv(cfg, spec, state, jnp.int32(spec.index), None)  # layer 0's ring [B, slots, ·]
+    out, *_ = attn.attention(cfg, spec, p, x, kv, Bus.empty(cfg, 1, 5), ctx, spec.index)
     own = rms_norm(x @ p["wkv"], p["kv_norm"], cfg.rms_norm_eps)  # un-rotated value
     heads = jnp.broadcast_to(own[:, :, None], (1, 5, cfg.num_attention_heads, cfg.head_dim))
     np.testing.assert_allclose(out, grouped_output(cfg, p, heads), rtol=1e-5, atol=1e-6)

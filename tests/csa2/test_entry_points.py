@@ -7,6 +7,7 @@ import pytest
 
 from csa2 import model
 from csa2.config import preset
+from csa2.index_loss import IndexLoss
 from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state
 from tests.csa2.helpers import keep, tokens
@@ -114,7 +115,7 @@ def test_replay_policy_model_rules_are_checked_at_the_call(mini_params):
                              jnp.array([1, 5], jnp.int32)), "n_valid"),
     (lambda p: model.prefill(MINI, p, init_state(MINI, 2, CAP), jnp.ones((2, 4), jnp.int32),
                              jnp.array([1], jnp.int32)), "n_valid"),
-    (lambda p: model.forward(MINI, p, jnp.ones((2, 4), jnp.int32), index_loss="full"), "index_loss"),
+    (lambda p: model.forward(MINI, p, jnp.ones((2, 4), jnp.int32), instrument=IndexLoss("full")), "IndexLoss.mode"),
     (lambda p: model.forward(MINI, p, jnp.full((2, 4), -1, jnp.int32)), "outside the vocabulary"),
     (lambda p: model.decode_step("mini", p, init_state(MINI, 2, CAP), jnp.ones((2,), jnp.int32)), "ModelConfig"),
 ])

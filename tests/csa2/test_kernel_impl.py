@@ -18,6 +18,7 @@ from flax import nnx
 
 from csa2 import model
 from csa2.config import preset
+from csa2.index_loss import IndexLoss
 from csa2.layout import kv_stacks
 from csa2.state import init_state
 from tests.csa2.attention_stack import init_stack, run_stack
@@ -85,15 +86,15 @@ def test_model_prefill_and_decode_match_xla(mini_params):
 
 
 def test_forward_gradient_with_index_loss_matches_xla(mini_params):
-    """jax.grad through `forward(..., index_loss="sparse")`: the kernels' custom VJPs (sparse attention's
+    """jax.grad through `forward(..., instrument=IndexLoss("sparse"))`: the kernels' custom VJPs (sparse attention's
     backward kernel) give the xla config's gradient, for every parameter, within 1e-4 of its norm. (The
     reference's backward on the kernels' forward measured the same worst figures: the gap is the forward's.)"""
     tokens = jax.random.randint(jax.random.PRNGKey(4), (B, 10), 0, 256, jnp.int32)
 
     def run(cfg):
         def loss(p):
-            logits, aux = model.forward(cfg, p, tokens, index_loss="sparse")
-            return jnp.sum(logits**2) + jnp.sum(aux["index_kl"]), aux["index_kl"]
+            logits, aux = model.forward(cfg, p, tokens, instrument=IndexLoss("sparse"))
+            return jnp.sum(logits**2) + jnp.sum(aux["tap"]), aux["tap"]
         return jax.grad(loss, has_aux=True)(mini_params)
 
     out = _both_impls(run)

@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from csa2 import sharding
+from csa2 import mesh as mesh_lib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ PROCESS = textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.experimental import multihost_utils
-    from csa2 import model, sharding
+    from csa2 import mesh as mesh_lib, model, sharding
     from csa2.config import preset
     from csa2.state import init_state
     from train import step as train_lib
@@ -31,17 +31,17 @@ PROCESS = textwrap.dedent("""
     tokens = rng.integers(0, 256, (4, 17)).astype(np.int32)
     inputs, targets, prompt, step = tokens[:, :-1], tokens[:, 1:], tokens[:, :12], tokens[:, 12]
 
-    mesh = sharding.make_mesh({"data": 2, "expert": 2})
-    rules = sharding.rules_for("mini")
-    put = lambda x: jax.device_put(x, sharding.rows(mesh))
-    trainer, api = train_lib.Sharded(cfg, tc, mesh, rules), sharding.Sharded(cfg, mesh, rules)
-    train = trainer.place(train_lib.init_train_state(cfg, tc))
+    mesh = mesh_lib.make_mesh({"data": 2, "expert": 2})
+    rules = mesh_lib.rules_for("mini")
+    put = lambda x: jax.device_put(x, mesh_lib.rows(mesh))
+    train = train_lib.init_train_state(cfg, tc)
+    train = jax.device_put(train, train_lib.train_state_shardings(train, mesh, rules))
     for _ in range(2):  # the warm-up's first step has lr 0
-        train, metrics = trainer.step(train, put(inputs), put(targets))
+        train, metrics = train_lib.train_step.on(mesh, rules)(cfg, tc, train, put(inputs), put(targets))
     params = sharding.shard_params(cfg, model.init_params(cfg, jax.random.PRNGKey(0)), mesh, rules)
     state = sharding.init_state(cfg, 4, 64, mesh, "float")
-    _, state, _ = api.prefill(params, state, put(prompt))
-    logits, state = api.decode_step(params, state, put(step))
+    _, state, _ = model.prefill.on(mesh, rules)(cfg, params, state, put(prompt))
+    logits, state = model.decode_step.on(mesh, rules)(cfg, params, state, put(step))
     got = {"loss": metrics["loss"], "params": nnx.to_pure_dict(train.params), "decode": logits}
     got = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), got)
     if jax.process_index() == 0:  # one device of this process runs the single-device reference
@@ -69,7 +69,7 @@ def test_two_processes_train_and_decode_as_one_device():
     """Loss and prefill + decode logits within 1e-5 of one device; the parameters after two AdamW steps within
     2·lr, at most 0.1% of them past 1e-5 (AdamW turns a gradient within rounding of 0 into a ±lr step, as in
     `test_sharding`)."""
-    env = sharding.simulated_cpu_env(2)
+    env = mesh_lib.simulated_cpu_env(2)
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), port], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]

@@ -1,4 +1,4 @@
-"""Probes (`forward(..., probe=True)`, `csa2.probe`): the model's own run, with dense attention mass recorded
+"""Probes (`forward(..., instrument=Probes())`, `research.probe`): the model's own run, with dense attention mass recorded
 next to the selections every layer read."""
 
 import jax
@@ -11,6 +11,7 @@ from csa2.config import preset
 from csa2.layout import layer_plan
 from csa2.replay import ReplayPolicy
 from experiments import topk
+from research.probe import Probes
 
 MINI = preset("mini")
 S = 48
@@ -25,7 +26,7 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def probed(mini_params, tokens):
-    return model.forward(MINI, mini_params, tokens, qat=True, probe=True)
+    return model.forward(MINI, mini_params, tokens, qat=True, instrument=Probes())
 
 
 def test_probing_does_not_change_the_run(mini_params, tokens, probed):
@@ -33,14 +34,14 @@ def test_probing_does_not_change_the_run(mini_params, tokens, probed):
     plain, plain_aux = model.forward(MINI, mini_params, tokens, qat=True)
     np.testing.assert_array_equal(logits, plain)
     np.testing.assert_array_equal(aux["load"], plain_aux["load"])
-    rec = aux["probe"]
+    rec = aux["tap"]
     L, K, P = MINI.num_hidden_layers, MINI.index_topk, MINI.candidate_pool_size
     assert rec.mass.shape == (L, 2, S, S) and rec.topk.shape == rec.scan.shape == (L, 2, S, K)
     assert rec.pool.shape == (L, 2, S, P)
 
 
 def test_mass_is_a_sub_distribution_over_visible_entries(probed):
-    rec = jax.tree.map(np.asarray, probed[1]["probe"])
+    rec = jax.tree.map(np.asarray, probed[1]["tap"])
     t = np.arange(S)
     for layer, spec in enumerate(layer_plan(MINI)):
         mass = rec.mass[layer]
@@ -54,7 +55,7 @@ def test_mass_is_a_sub_distribution_over_visible_entries(probed):
 
 
 def test_recorded_selections_follow_the_layer_roles(probed):
-    rec = jax.tree.map(np.asarray, probed[1]["probe"])
+    rec = jax.tree.map(np.asarray, probed[1]["tap"])
     plan = layer_plan(MINI)
     for layer, spec in enumerate(plan):
         source = spec.index_source
@@ -70,7 +71,7 @@ def test_recorded_selections_follow_the_layer_roles(probed):
 
 
 def test_oracle_bounds_every_selection(probed):
-    rec = jax.tree.map(np.asarray, probed[1]["probe"])
+    rec = jax.tree.map(np.asarray, probed[1]["tap"])
     for layer, spec in enumerate(layer_plan(MINI)):
         if spec.role == "swa":
             continue
@@ -82,8 +83,8 @@ def test_oracle_bounds_every_selection(probed):
 
 
 def test_a_budget_covering_every_entry_reads_all_the_mass(mini_params, tokens):
-    _, aux = model.forward(COVERING, mini_params, tokens, qat=True, probe=True)
-    rec = jax.tree.map(np.asarray, aux["probe"])
+    _, aux = model.forward(COVERING, mini_params, tokens, qat=True, instrument=Probes())
+    rec = jax.tree.map(np.asarray, aux["tap"])
     for layer, spec in enumerate(layer_plan(COVERING)):
         if spec.role == "swa":
             continue
@@ -94,5 +95,5 @@ def test_a_budget_covering_every_entry_reads_all_the_mass(mini_params, tokens):
 
 
 def test_probes_need_the_exact_mode(mini_params, tokens):
-    with pytest.raises(ValueError, match="probe=True with replay"):
-        model.forward(MINI, mini_params, tokens, probe=True, replay=ReplayPolicy(window=8))
+    with pytest.raises(ValueError, match="Probes with replay"):
+        model.forward(MINI, mini_params, tokens, instrument=Probes(), replay=ReplayPolicy(window=8))

@@ -1,4 +1,4 @@
-"""KV-selection policies inside the model (`forward(..., policy=, policy_start=)`, SPEC §14): what the layers
+"""KV-selection policies inside the model (`forward(..., instrument=KVSelection(policy, start))`, SPEC §14): what the layers
 read, that the prefill is untouched, that a budget covering every entry is full attention, and causality.
 The policies' own arithmetic is tested on hand cases in `test_selection_policies.py`."""
 
@@ -7,10 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from csa2 import model, selection
+from csa2 import model
+from csa2.hooks import Joined
 from csa2.config import preset
 from csa2.layout import layer_plan
 from csa2.replay import ReplayPolicy
+from research import selection
+from research.probe import Probes
+from research.selection import KVSelection
 
 MINI = preset("mini")
 S = 32
@@ -30,17 +34,17 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def covering_run(mini_params, tokens):
-    return model.forward(COVERING, mini_params, tokens, qat=True, probe=True)
+    return model.forward(COVERING, mini_params, tokens, qat=True, instrument=Probes())
 
 
 @pytest.mark.cross_shape
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_a_budget_covering_every_entry_is_full_attention(mini_params, tokens, covering_run, policy):
     """Every layer reads every visible entry at every query, so the logits are those of full attention."""
-    logits, aux = model.forward(COVERING, mini_params, tokens, qat=True, probe=True, policy=policy,
-                                policy_start=START)
+    logits, aux = model.forward(COVERING, mini_params, tokens, qat=True,
+                                instrument=Joined(KVSelection(policy, START), Probes()))
     full, full_aux = covering_run
-    rec = jax.tree.map(np.asarray, aux["probe"])
+    rec = jax.tree.map(np.asarray, aux["tap"])
     for spec in layer_plan(COVERING):
         if spec.role == "swa":
             continue
@@ -57,16 +61,16 @@ def test_a_budget_covering_every_entry_is_full_attention(mini_params, tokens, co
 
 @pytest.fixture(scope="module")
 def streaming(mini_params, tokens):
-    return model.forward(MINI, mini_params, tokens, qat=True, probe=True, policy=selection.StreamingLLM(sinks=3),
-                         policy_start=START)
+    return model.forward(MINI, mini_params, tokens, qat=True,
+                         instrument=Joined(KVSelection(selection.StreamingLLM(sinks=3), START), Probes()))
 
 
 def test_layers_read_what_the_policy_chooses_from_start_on(mini_params, tokens, streaming):
     """StreamingLLM's read set is known without the model: the first 3 entries and the newest, `index_topk` in
     all; before `start` every layer reads the model's own top-k, and the logits there are the plain run's."""
     logits, aux = streaming
-    plain, plain_aux = model.forward(MINI, mini_params, tokens, qat=True, probe=True)
-    rec, own = jax.tree.map(np.asarray, aux["probe"]), jax.tree.map(np.asarray, plain_aux["probe"])
+    plain, plain_aux = model.forward(MINI, mini_params, tokens, qat=True, instrument=Probes())
+    rec, own = jax.tree.map(np.asarray, aux["tap"]), jax.tree.map(np.asarray, plain_aux["tap"])
     k = MINI.index_topk
     for spec in layer_plan(MINI):
         if spec.role == "swa":
@@ -89,25 +93,24 @@ def test_policies_are_causal(mini_params, tokens, policy):
     start = jnp.asarray([START, START + 5], jnp.int32)
     cut = S - 8
     other = tokens.at[:, cut:].set((tokens[:, cut:] + 7) % 256)
-    full, _ = model.forward(MINI, mini_params, tokens, qat=True, policy=policy, policy_start=start)
-    changed, _ = model.forward(MINI, mini_params, other, qat=True, policy=policy, policy_start=start)
+    full, _ = model.forward(MINI, mini_params, tokens, qat=True, instrument=KVSelection(policy, start))
+    changed, _ = model.forward(MINI, mini_params, other, qat=True, instrument=KVSelection(policy, start))
     np.testing.assert_allclose(changed[:, :cut], full[:, :cut], rtol=0, atol=1e-6)
     assert not np.allclose(changed[:, cut:], full[:, cut:])
 
 
 def test_bad_policy_arguments_are_refused(mini_params, tokens):
-    with pytest.raises(ValueError, match="policy_start=None"):
-        model.forward(MINI, mini_params, tokens, policy=selection.H2O())
-    with pytest.raises(ValueError, match="without a policy"):
-        model.forward(MINI, mini_params, tokens, policy_start=3)
-    with pytest.raises(ValueError, match="csa2.selection policy"):
-        model.forward(MINI, mini_params, tokens, policy="h2o", policy_start=3)
+    # (A policy without its start, or a start without a policy, cannot be written: `KVSelection` holds both.)
+    with pytest.raises(ValueError, match="csa2.hooks.Instrument"):
+        model.forward(MINI, mini_params, tokens, instrument="h2o")
+    with pytest.raises(ValueError, match="research.selection policy"):
+        model.forward(MINI, mini_params, tokens, instrument=KVSelection("h2o", 3))
     with pytest.raises(ValueError, match="replay=EXACT"):
-        model.forward(MINI, mini_params, tokens, policy=selection.H2O(), policy_start=3,
+        model.forward(MINI, mini_params, tokens, instrument=KVSelection(selection.H2O(), 3),
                       replay=ReplayPolicy(window=16))
     with pytest.raises(ValueError, match=r"one per row \[2\]"):
-        model.forward(MINI, mini_params, tokens, policy=selection.H2O(), policy_start=jnp.zeros(3, jnp.int32))
+        model.forward(MINI, mini_params, tokens, instrument=KVSelection(selection.H2O(), jnp.zeros(3, jnp.int32)))
     with pytest.raises(ValueError, match="policy_start"):
-        model.forward(MINI, mini_params, tokens, policy=selection.H2O(), policy_start=S + 1)
+        model.forward(MINI, mini_params, tokens, instrument=KVSelection(selection.H2O(), S + 1))
     with pytest.raises(ValueError, match="SnapKV.window|window=8"):
-        model.forward(MINI, mini_params, tokens, policy=selection.SnapKV(), policy_start=4)
+        model.forward(MINI, mini_params, tokens, instrument=KVSelection(selection.SnapKV(), 4))

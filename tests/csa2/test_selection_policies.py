@@ -1,4 +1,4 @@
-"""KV-selection baselines (`csa2.selection`, SPEC §14): building blocks, the policies on hand cases with known
+"""KV-selection baselines (`research.selection`, SPEC §14): building blocks, the policies on hand cases with known
 read masks, and the static policy configurations.
 
 Every hand case builds a `View` whose keys are identity rows (`D = 64`, so `D^-½ = 1/8` is exact) and whose
@@ -15,7 +15,7 @@ import pytest
 
 from csa2.config import preset
 from csa2.layout import layer_plan
-from csa2.selection import (H2O, Oracle, PyramidKV, Quest, SnapKV, StreamingLLM, View, sink_softmax,
+from research.selection import (H2O, Oracle, PyramidKV, Quest, SnapKV, StreamingLLM, View, sink_softmax,
                             fill_newest, h2o, newest, oracle, quest, recent_count, snapkv, streaming_llm, top)
 
 MINI = preset("mini")  # 8 layers, layer 0 SWA, index_topk 16

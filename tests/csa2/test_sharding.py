@@ -1,5 +1,6 @@
-"""csa2.sharding: meshes, the rules tables, and a released checkpoint loaded straight into its shards
-(on 8 simulated CPU devices, in a subprocess: the device count is fixed when JAX starts)."""
+"""csa2.mesh and csa2.sharding: meshes, the rules tables, the entry points compiled for a mesh
+(`EntryPoint.on`), and a released checkpoint loaded straight into its shards (on 8 simulated CPU devices, in a
+subprocess: the device count is fixed when JAX starts)."""
 
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec
 
-from csa2 import sharding
+from csa2 import mesh as mesh_lib, sharding
 from csa2.config import PRESETS, preset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,34 +19,34 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_parameter_of_every_preset_has_a_rule(name):
-    mesh = sharding.make_mesh({})
-    specs = sharding.param_shardings(preset(name), mesh, sharding.rules_for(name))
+    mesh = mesh_lib.make_mesh({})
+    specs = sharding.param_shardings(preset(name), mesh, mesh_lib.rules_for(name))
     assert all(isinstance(s.spec, PartitionSpec) for s in jax.tree.leaves(specs))
 
 
 def test_the_released_model_splits_over_the_documented_axes():
     """Specs alone (an abstract 8-device mesh): heads, vocab, expert width over `tensor`, experts over `expert`."""
-    mesh = jax.sharding.AbstractMesh((1, 8, 8), sharding.MESH_AXES)
-    rules = sharding.rules_for("v41_flash")
+    mesh = jax.sharding.AbstractMesh((1, 8, 8), mesh_lib.MESH_AXES)
+    rules = mesh_lib.rules_for("v41_flash")
     cfg = preset("v41_flash")
-    assert sharding.spec(("groups", "layers", "q_lora", "heads"), (1, 1, 1280, 32768), mesh, rules, "wq_b") == \
+    assert mesh_lib.spec(("groups", "layers", "q_lora", "heads"), (1, 1, 1280, 32768), mesh, rules, "wq_b") == \
         PartitionSpec(None, None, None, "tensor")
-    assert sharding.spec(("experts", "embed", "mlp"), (384, 5120, 2304), mesh, rules, "w1") == \
+    assert mesh_lib.spec(("experts", "embed", "mlp"), (384, 5120, 2304), mesh, rules, "w1") == \
         PartitionSpec("expert", None, "tensor")
-    assert sharding.spec(("vocab", "embed"), (cfg.vocab_size, 5120), mesh, rules, "embed") == PartitionSpec("tensor", None)
-    assert sharding.spec(("groups", "layers", "engram_rows", "engram_dim"), (1, 1, 384_016_682, 256), mesh, rules,
+    assert mesh_lib.spec(("vocab", "embed"), (cfg.vocab_size, 5120), mesh, rules, "embed") == PartitionSpec("tensor", None)
+    assert mesh_lib.spec(("groups", "layers", "engram_rows", "engram_dim"), (1, 1, 384_016_682, 256), mesh, rules,
                          "engram table") == PartitionSpec(None, None, None, "expert")
 
 
 def test_a_rule_may_split_one_dimension_over_several_mesh_axes():
-    mesh = jax.sharding.AbstractMesh((1, 2, 4), sharding.MESH_AXES)
+    mesh = jax.sharding.AbstractMesh((1, 2, 4), mesh_lib.MESH_AXES)
     rules = {"engram_dim": ("tensor", "expert"), "embed": None}
-    assert sharding.spec(("engram_dim", "embed"), (16, 3), mesh, rules, "t") == PartitionSpec(("tensor", "expert"), None)
+    assert mesh_lib.spec(("engram_dim", "embed"), (16, 3), mesh, rules, "t") == PartitionSpec(("tensor", "expert"), None)
     with pytest.raises(ValueError, match=r"dimension 'engram_dim' of size 12 does not split over mesh axis "
                                          r"\('tensor', 'expert'\) of size 8"):
-        sharding.spec(("engram_dim",), (12,), mesh, rules, "t")
+        mesh_lib.spec(("engram_dim",), (12,), mesh, rules, "t")
     with pytest.raises(ValueError, match=r"mesh axis 'expert' would shard two dimensions"):
-        sharding.spec(("engram_dim", "experts"), (8, 4), mesh, {**rules, "experts": "expert"}, "t")
+        mesh_lib.spec(("engram_dim", "experts"), (8, 4), mesh, {**rules, "experts": "expert"}, "t")
 
 
 @pytest.mark.parametrize("shape, message", [
@@ -55,31 +56,31 @@ def test_a_rule_may_split_one_dimension_over_several_mesh_axes():
 ])
 def test_bad_meshes_are_refused(shape, message):
     with pytest.raises(ValueError, match=message):
-        sharding.make_mesh(shape)
+        mesh_lib.make_mesh(shape)
 
 
 def test_bad_rules_are_refused_by_parameter_and_axis():
-    mesh = jax.sharding.AbstractMesh((1, 2, 8), sharding.MESH_AXES)
-    rules = sharding.rules_for("mini")
+    mesh = jax.sharding.AbstractMesh((1, 2, 8), mesh_lib.MESH_AXES)
+    rules = mesh_lib.rules_for("mini")
     with pytest.raises(ValueError, match=r"wq_b: logical axis 'nope' has no rule"):
-        sharding.spec(("nope",), (4,), mesh, rules, "wq_b")
+        mesh_lib.spec(("nope",), (4,), mesh, rules, "wq_b")
     with pytest.raises(ValueError, match=r"w1: dimension 'experts' of size 4 does not split over mesh axis 'expert' of size 8"):
-        sharding.spec(("experts", "embed"), (4, 64), mesh, rules, "w1")
+        mesh_lib.spec(("experts", "embed"), (4, 64), mesh, rules, "w1")
     with pytest.raises(ValueError, match=r"mesh axis 'tensor' would shard two dimensions; map 'mlp' to None"):
-        sharding.spec(("heads", "mlp"), (4, 4), mesh, rules, "x")
+        mesh_lib.spec(("heads", "mlp"), (4, 4), mesh, rules, "x")
     with pytest.raises(ValueError, match=r"rule 'heads' → 'tensor', but the mesh has axes \('data',\)"):
-        sharding.spec(("heads",), (4,), jax.sharding.AbstractMesh((2,), ("data",)), rules, "x")
+        mesh_lib.spec(("heads",), (4,), jax.sharding.AbstractMesh((2,), ("data",)), rules, "x")
     with pytest.raises(ValueError, match=r"no rules table for 'huge'"):
-        sharding.rules_for("huge")
+        mesh_lib.rules_for("huge")
     with pytest.raises(ValueError, match=r"'mlp' → 'expert', but the MoE's expert-parallel shard_map reads 'mlp' on "
                                          r"mesh axis 'tensor'; map it to 'tensor' or None"):
-        sharding.param_shardings(preset("mini"), sharding.make_mesh({}), {**rules, "mlp": "expert"})
+        sharding.param_shardings(preset("mini"), mesh_lib.make_mesh({}), {**rules, "mlp": "expert"})
 
 
 EXPERT_PARALLEL = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from csa2 import moe, sharding
+    from csa2 import mesh as mesh_lib, moe
     from csa2.config import preset
     cfg = preset("mini")
     params = nnx.to_pure_dict(nnx.state(moe.MoE(cfg, nnx.Rngs(0))))
@@ -88,7 +89,7 @@ EXPERT_PARALLEL = textwrap.dedent("""
     grad = jax.jit(jax.grad(lambda p, x: jnp.sum(moe.moe(cfg, p, x)[0] ** 2), argnums=(0, 1)))
     want = run(params, x), grad(params, x)
     for shape in ({"data": 2, "tensor": 2, "expert": 2}, {"tensor": 2, "expert": 4}, {"expert": 8}):
-        mesh = sharding.make_mesh(shape)
+        mesh = mesh_lib.make_mesh(shape)
         with jax.set_mesh(mesh):
             got = run(params, x), grad(params, x)
             parallel = "sdy.manual_computation" in run.lower(params, x).as_text()
@@ -101,7 +102,7 @@ EXPERT_PARALLEL = textwrap.dedent("""
 def test_expert_parallel_moe_equals_one_device_with_its_gradients():
     """Under a mesh with an `expert` axis the MoE runs in a shard_map (each device its experts, one psum):
     output, load and every gradient (router, biases, experts, shared expert, input) as on one device."""
-    env = sharding.simulated_cpu_env(8)
+    env = mesh_lib.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -117,7 +118,7 @@ EIGHT_DEVICES = textwrap.dedent("""
     import sys, tempfile
     import jax, numpy as np
     from flax import nnx
-    from csa2 import sharding, model
+    from csa2 import mesh as mesh_lib, model, sharding
     from csa2.checkpoints import hf, load_hf, save_hf
     from csa2.config import preset
     assert jax.device_count() == 8
@@ -130,8 +131,8 @@ EIGHT_DEVICES = textwrap.dedent("""
     _, whole = load_hf(path, cfg)
     whole = jax.tree.map(np.asarray, nnx.to_pure_dict(whole))
     for shape in ({"data": 8}, {"data": 2, "tensor": 2, "expert": 2}, {"tensor": 2, "expert": 4}):
-        mesh = sharding.make_mesh(shape)
-        rules = sharding.rules_for("mini")
+        mesh = mesh_lib.make_mesh(shape)
+        rules = mesh_lib.rules_for("mini")
         _, params = load_hf(path, cfg, mesh=mesh, rules=rules)
         got = nnx.to_pure_dict(params)
         want = sharding.param_shardings(cfg, mesh, rules)
@@ -146,7 +147,7 @@ EIGHT_DEVICES = textwrap.dedent("""
 def test_a_released_checkpoint_loads_straight_into_its_shards_on_8_devices():
     """Three meshes (8×1×1, 2×2×2, 1×2×4; mini's drafter has 4 experts): every parameter comes back with the rules' sharding and the values
     of the single-device load, bit for bit; each device holds only its shard."""
-    env = sharding.simulated_cpu_env(8)
+    env = mesh_lib.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", EIGHT_DEVICES], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -159,7 +160,7 @@ def test_a_released_checkpoint_loads_straight_into_its_shards_on_8_devices():
 ENTRY_POINTS = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
-    from csa2 import model, sharding
+    from csa2 import mesh as mesh_lib, model, sharding
     from csa2.config import preset
     from csa2.state import init_state
     from train import step as train_lib
@@ -197,6 +198,13 @@ ENTRY_POINTS = textwrap.dedent("""
             out["verify"], out["commit"] = logits, state
         return out, train, state
 
+    class OnMesh:  # the entry points compiled for a mesh, with OneDevice's calls
+        def __init__(self, mesh, rules):
+            self.forward = lambda params, tokens: model.forward.on(mesh, rules)(cfg, params, tokens)
+            self.prefill = lambda *a: model.prefill.on(mesh, rules)(cfg, *a)
+            self.decode_step = lambda *a: model.decode_step.on(mesh, rules)(cfg, *a)
+            self.verify = lambda *a: model.verify.on(mesh, rules)(cfg, *a)
+
     class OneDevice:
         forward = staticmethod(lambda params, tokens: model.forward(cfg, params, tokens))
         prefill = staticmethod(lambda *a: model.prefill(cfg, *a))
@@ -209,18 +217,21 @@ ENTRY_POINTS = textwrap.dedent("""
                      train_lib.init_train_state(cfg, tc), lambda x: x, ALL)
     want = jax.tree.map(np.asarray, {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in want.items()})
     for shape, parts in MESHES:
-        mesh = sharding.make_mesh(shape)
-        rules = sharding.rules_for("mini")
-        name = "x".join(str(mesh.shape[a]) for a in sharding.MESH_AXES)
-        put = lambda x: jax.device_put(x, sharding.rows(mesh))
-        api, trainer = sharding.Sharded(cfg, mesh, rules), train_lib.Sharded(cfg, tc, mesh, rules)
+        mesh = mesh_lib.make_mesh(shape)
+        rules = mesh_lib.rules_for("mini")
+        name = "x".join(str(mesh.shape[a]) for a in mesh_lib.MESH_AXES)
+        put = lambda x: jax.device_put(x, mesh_lib.rows(mesh))
+        api = OnMesh(mesh, rules)
+        train_step = lambda *a: train_lib.train_step.on(mesh, rules)(cfg, tc, *a)
         sharded = sharding.shard_params(cfg, params, mesh, rules)
         state = sharding.init_state(cfg, 8, 64, mesh, "float")
-        lowered = api.decode_step(sharded, state, put(steps[:, 0]), lower=True).as_text()
+        lowered = model.decode_step.on(mesh, rules).lower(cfg, sharded, state, put(steps[:, 0])).as_text()
         print("expert-parallel", name, "sdy.manual_computation" in lowered)
-        train = trainer.place(train_lib.init_train_state(cfg, tc))
-        got, train, state = run(api, trainer.step, sharded, state, train, put, parts)
-        for a, s in zip(jax.tree.leaves(train), jax.tree.leaves(trainer.shardings)):
+        train = train_lib.init_train_state(cfg, tc)
+        train_shardings = train_lib.train_state_shardings(train, mesh, rules)
+        train = jax.device_put(train, train_shardings)
+        got, train, state = run(api, train_step, sharded, state, train, put, parts)
+        for a, s in zip(jax.tree.leaves(train), jax.tree.leaves(train_shardings)):
             assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)
         shardings = sharding.param_shardings(cfg, mesh, rules)
         for a, s in zip(jax.tree.leaves(nnx.to_pure_dict(train.params)), jax.tree.leaves(shardings)):
@@ -230,7 +241,7 @@ ENTRY_POINTS = textwrap.dedent("""
             w1, mu_w1 = train.params["groups"][0][0]["moe"]["w1"], mu["groups"][0][0]["moe"]["w1"]
             assert mu_w1.sharding.is_equivalent_to(w1.sharding, w1.ndim), (mu_w1.sharding, w1.sharding)
         for a in jax.tree.leaves(state):
-            assert a.sharding.is_equivalent_to(sharding.rows(mesh), a.ndim), a.sharding
+            assert a.sharding.is_equivalent_to(mesh_lib.rows(mesh), a.ndim), a.sharding
         got = jax.tree.map(np.asarray, {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in got.items()})
         for key in got:
             pairs = zip(jax.tree.leaves(got[key]), jax.tree.leaves(want[key]))
@@ -240,8 +251,8 @@ ENTRY_POINTS = textwrap.dedent("""
 
 
 def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
-    """forward, a train step, prefill + decode, verify + commit (float cache) through `sharding.Sharded` and
-    `train.step.Sharded` (explicit in/out shardings) on meshes 8×1×1, 2×2×2 and 1×2×4 (data, tensor, expert):
+    """forward, a train step, prefill + decode, verify + commit (float cache) through `EntryPoint.on(mesh, rules)`
+    (explicit in/out shardings) on meshes 8×1×1, 2×2×2 and 1×2×4 (data, tensor, expert):
     within 1e-5 of one device. Prefill + decode run on every mesh, the rest on 2×2×2 and one other mesh
     (forward on 8×1×1; training, verify and commit on 1×2×4). The meshes with an expert axis run the MoE
     expert-parallel (a shard_map in the lowered program); parameters, optimizer moments and every state leaf
@@ -251,7 +262,7 @@ def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
     the cache's SPEC §8 fake-quant can flip a rare element by one FP4 step (a few 1e-4 in the verify logits, as
     in `test_properties`), and AdamW's second step moves each weight by ~lr·sign(g), so a gradient within
     rounding of 0 can move its weight by up to 2·lr."""
-    env = sharding.simulated_cpu_env(8)
+    env = mesh_lib.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", ENTRY_POINTS], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]

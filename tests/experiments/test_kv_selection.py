@@ -4,11 +4,11 @@ themselves run in `tests/csa2/test_selection*.py` and the whole table in the not
 import numpy as np
 import pytest
 
-from csa2 import selection
 from csa2.config import preset
 from csa2.layout import layer_plan
-from csa2.probe import Probe
 from experiments import kv_selection as kv
+from research import selection
+from research.probe import Probe
 
 MINI = preset("mini")  # layer 0 SWA; 1–3 ratio 2; 4–7 ratio 1; index_topk 16
 

@@ -5,8 +5,8 @@ import pytest
 
 from csa2.config import preset
 from csa2.layout import layer_plan
-from csa2.probe import Probe
 from experiments import topk
+from research.probe import Probe
 
 MINI = preset("mini")
 MASS = np.array([0.1, 0.2, 0.3, 0.4])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from csa2 import sharding
+from csa2 import mesh as mesh_lib
 from train import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,12 +17,12 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 PLAN = textwrap.dedent("""
     import jax, numpy as np
-    from csa2 import model, sharding, state
+    from csa2 import mesh as mesh_lib, model, state
     from csa2.config import preset
     from train import plan
     cfg = preset("mini")
-    mesh = sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2})
-    p = plan.plan(cfg, mesh, sharding.rules_for("mini"), context=128, batch=2, seq_len=32)
+    mesh = mesh_lib.make_mesh({"data": 2, "tensor": 2, "expert": 2})
+    p = plan.plan(cfg, mesh, mesh_lib.rules_for("mini"), context=128, batch=2, seq_len=32)
     whole = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.abstract_params(cfg)))
     print("state", p.state, state.state_bytes(state.abstract_state(cfg, 2, 128, "fp4"))["total"])
     print("params", p.params, whole)
@@ -38,7 +38,7 @@ def test_the_plan_of_mini_on_8_devices_counts_each_devices_share():
     more than an eighth and less than all); AdamW's two moments at most twice the parameters. The decode step
     takes the parameters it reads and the state, and writes the new state into the donated one; the train step
     takes and donates the whole train state. Both combine partial sums with all-reduces."""
-    env = sharding.simulated_cpu_env(8)
+    env = mesh_lib.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", PLAN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out.stdout.splitlines()}

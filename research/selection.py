@@ -2,7 +2,8 @@
 
 CSA2 reads, per query, its sliding window plus `index_topk` Global entries chosen by the lightning indexer
 (SPEC §5). A policy here replaces *which* `index_topk` Global entries a layer reads; the window, the sink and
-everything else stay. `forward(..., policy=, policy_start=)` applies it to every layer that reads Global KV, each
+everything else stay. `forward(..., instrument=KVSelection(policy, start))` applies it to every layer that reads
+Global KV (the model's read hook, `csa2.hooks`), each
 layer choosing with its own queries, for the queries at positions ≥ `start`: the earlier ones are the prefill
 and read the model's own top-k, identical for every policy, so the policies differ only in what the steps
 after the prompt read (the one-shot policies compress the cache at `start`). Every policy reads at most
@@ -33,12 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from csa2.boundary import concrete
 from csa2.config import ModelConfig
-from csa2.indexer import select_topk, visible_entries
+from csa2.hooks import Instrument, Sight
+from csa2.indexer import select_topk
 from csa2.layout import layer_plan
-from csa2.state import SourceKV
+from csa2.replay import ReplayPolicy
 from pallas_kernels import reference
-from pallas_kernels.stored import Stored
+from pallas_kernels.stored import NO_ENTRY
 
 Array = jax.Array
 
@@ -92,18 +95,18 @@ def sink_softmax(logits: Array, rest: Array) -> Array:
     return jnp.exp(logits - lse[..., None])
 
 
-def view(q: Array, sink: Array, window: Stored, window_idx: Array, source: SourceKV, positions: Array,
-         ratio: int) -> View:
-    """The `View` of one layer (its inputs as `csa2.attention.attention` holds them)."""
+def view(sight: Sight) -> View:
+    """The `View` of one layer that reads Global KV (`csa2.hooks.Sight`)."""
+    q, source = sight.q, sight.source
     b = q.shape[0]
     ids = jnp.broadcast_to(jnp.arange(source.entries, dtype=jnp.int32), (b, source.entries))
     keys = source.kv.gather(source.rows(ids))  # [B, N, D]
-    window_keys, window_valid = reference.gather_entries(window, window_idx)  # [B, S, W, D]
+    window_keys, window_valid = reference.gather_entries(sight.window, sight.window_idx)  # [B, S, W, D]
     logits = jnp.einsum("bshd,bswd->bshw", q.astype(jnp.float32), window_keys,
                         precision=jax.lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
     logits = jnp.where(window_valid[:, :, None, :], logits, -jnp.inf)
-    rest = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), sink.astype(jnp.float32)[None, None, :])
-    return View(q=q, keys=keys, rest=rest, visible=visible_entries(positions, ratio), positions=positions)
+    rest = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), sight.sink.astype(jnp.float32)[None, None, :])
+    return View(q=q, keys=keys, rest=rest, visible=sight.visible(), positions=sight.positions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,15 +364,39 @@ class Quest(Policy):
                              "number of pages")
 
 
-def read(cfg: ModelConfig, policy: Policy, start: Array, layer: Array, q: Array, sink: Array, window: Stored,
-         window_idx: Array, source: SourceKV, positions: Array, ratio: int, topk: Array) -> Array:
-    """The entry ids `[B, S, policy.width(cfg)]` (ascending, −1-padded) a layer reads under `policy`: the
-    model's own `topk` before `start` (an int or one per row [B]), the policy's from there."""
-    mask = policy.mask(cfg, view(q, sink, window, window_idx, source, positions, ratio), layer, start)
-    width = policy.width(cfg)
-    ids = select_topk(jnp.zeros(mask.shape, jnp.float32), mask, width)
-    own = jnp.pad(topk, [(0, 0), (0, 0), (0, width - topk.shape[-1])], constant_values=-1)
-    return jnp.where((positions >= _per_row(start, positions.shape[0])[:, None])[..., None], ids, own)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVSelection(Instrument):
+    """Every layer that reads Global KV reads what `policy` chooses for the queries at positions ≥ `start` (an
+    int or one per row [B]); the earlier positions, the prefill, read the model's own top-k."""
+
+    policy: Policy = dataclasses.field(metadata=dict(static=True))
+    start: Array | int
+
+    def width(self, cfg: ModelConfig) -> int:
+        return self.policy.width(cfg)
+
+    def read(self, cfg: ModelConfig, sight: Sight) -> Array:
+        """The entry ids `[B, S, policy.width(cfg)]` (ascending, −1-padded) the layer reads."""
+        mask = self.policy.mask(cfg, view(sight), sight.layer, self.start)
+        width = self.policy.width(cfg)
+        ids = select_topk(jnp.zeros(mask.shape, jnp.float32), mask, width)
+        topk = sight.bus.topk
+        own = jnp.pad(topk, [(0, 0), (0, 0), (0, width - topk.shape[-1])], constant_values=NO_ENTRY)
+        positions = sight.positions
+        return jnp.where((positions >= _per_row(self.start, positions.shape[0])[:, None])[..., None], ids, own)
+
+    def check(self, cfg: ModelConfig, tokens: tuple[int, int], replay: ReplayPolicy) -> None:
+        if not isinstance(self.policy, Policy):
+            raise ValueError(f"KVSelection.policy={self.policy!r}: pass a research.selection policy (Oracle, "
+                             "StreamingLLM, H2O, SnapKV, PyramidKV, Quest)")
+        if not replay.exact:
+            raise ValueError(f"policy={self.policy} with replay={replay}: a policy reads for every layer on every "
+                             "position; use replay=EXACT")
+        if jnp.shape(self.start) not in ((), tuple(tokens[:1])):
+            raise ValueError(f"policy_start={self.start}: give KVSelection.start, the first position the policy "
+                             f"reads, as an int or one per row [{tokens[0]}]")
+        self.policy.check(cfg, tokens[1], concrete(self.start))
 
 
 def _per_row(start: Array | int, b: int) -> Array:

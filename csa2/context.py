@@ -1,0 +1,29 @@
+"""What every layer of one segment of a call shares (`csa2.stack` builds it, every layer reads it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from csa2.chunk import Chunk
+from csa2.hooks import Instrument
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """chunk: the chunk of the rows in the flow; history: the Engram token window of the whole chunk
+    `[B, N−1+S]` (None without Engram); rows: the chunk rows of the flow (None = every row); written_from: the
+    first position whose Global KV entries the call may write (None = any; SPEC §11 encoder replay); quantize:
+    the SPEC §8 numerics (False: the float model); instrument: what every Global-reading layer reads and what
+    every layer taps (`csa2.hooks`); entries: the call's largest Global KV source (`hooks.Sight.entries`)."""
+
+    chunk: Chunk
+    history: Array | None
+    rows: Array | None
+    written_from: Array | None
+    quantize: bool
+    instrument: Instrument
+    entries: int

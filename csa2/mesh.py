@@ -1,0 +1,213 @@
+"""Meshes and logical-axis rules: where each array lives on a device mesh (below the model: nothing here imports it).
+
+Every parameter carries logical axis names (`out_sharding` metadata, `csa2.params`; e.g. wq_b is
+`("groups", "layers", "q_lora", "heads")`), and so does every argument of a compiled entry point (`batch` for the
+rows of a request state, tokens and per-row values). A **rules table** maps each logical name to a mesh axis
+(or None: that dimension is replicated); an array's `PartitionSpec` is its axes looked up in the table. Rules
+are data, one table per preset (`RULES`), and a caller may pass its own; a rule may also name a tuple of mesh
+axes (the dimension splits over their product).
+
+Mesh axes (`MESH_AXES`): `data` (batch), `tensor` (heads, vocab, expert width), `expert` (routed
+experts). A mesh is built by `make_mesh({"data": 2, "tensor": 2, "expert": 2})`; axes left out have size 1.
+
+| logical axis                | v41_flash | tiny / mini / demo | why                                            |
+|-----------------------------|-----------|--------------------|------------------------------------------------|
+| `batch`                     | data      | data               | the rows of requests, tokens and per-row values |
+| `vocab`                     | tensor    | —                  | embedding and LM head rows (259 does not split) |
+| `heads`, `index_heads`, `index_n`, `o_groups`, `o_lora_all` | tensor | tensor | attention heads and their output groups |
+| `experts`                   | expert    | expert             | routed experts                                 |
+| `mlp`                       | tensor    | tensor             | expert and shared-expert width                 |
+| `engram_dim`                | expert    | —                  | Engram table columns (rows: see below)         |
+| `engram_rows`               | —         | —                  | a sum of primes (384,016,682 = 2 · 192,008,341) |
+| everything else             | —         | —                  | norms, mHC, latents, stacking axes: replicated |
+
+The released model's two Engram tables are its largest arrays (2 × 393 GB in float32, 2 × 98 GB as FP8
+rows). Their row counts are sums of primes that no mesh divides, so their 256 columns split instead, over
+`expert` (the widest axis of the meshes that hold the released model): a lookup gathers every row's
+local columns and the projection after it sums the partial products (one all-reduce per Engram layer).
+
+`spec` checks every array before anything is placed: an unknown logical axis, a mesh axis the mesh lacks, a
+dimension the mesh axis does not divide, or one mesh axis on two dimensions of an array raise `ValueError`
+naming the array, the axis and the fix. The MoE's expert-parallel `shard_map` (`csa2.moe`) reads routed experts
+on `expert` and their width on `tensor`, so a table may map `experts` only to `expert` (or None) and `mlp` only
+to `tensor` (or None).
+
+How an entry point's arguments are placed is named by a **placement** per argument (`ROWS`, `REPLICATED`,
+`PARAMS`, or a function of the same form): a function `(value, mesh, rules, what) → shardings` of the value's
+pytree. `csa2.boundary.EntryPoint.on(mesh, rules)` compiles an entry point with them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "tensor", "expert")
+Rules = Mapping[str, str | tuple[str, ...] | None]
+
+_REPLICATED = ("embed", "q_lora", "latent", "o_group_in", "o_lora", "index_dim", "hc_in", "hc_mix", "hc_scales",
+               "engram_dim", "engram_scales", "engram_in", "engram_out", "streams", "draft_features", "markov",
+               "draft_confidence", "groups", "layers")
+_SMALL = {**{name: None for name in _REPLICATED}, "batch": "data", "vocab": None, "heads": "tensor", "index_heads": "tensor",
+          "index_n": "tensor", "o_groups": "tensor", "o_lora_all": "tensor", "experts": "expert", "mlp": "tensor",
+          "engram_rows": None}
+RULES: dict[str, dict[str, str | None]] = {
+    "v41_flash": {**_SMALL, "vocab": "tensor", "engram_dim": "expert"},
+    "tiny": _SMALL, "mini": _SMALL, "demo": _SMALL,
+}
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axes `MESH_AXES` (sizes from `shape`, missing ones 1) over `devices` (default: all)."""
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} are unknown; name them from {MESH_AXES}")
+    sizes = tuple(int(shape.get(axis, 1)) for axis in MESH_AXES)
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"mesh shape {dict(shape)}: every axis size must be ≥ 1")
+    devices = list(jax.devices() if devices is None else devices)
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh shape {dict(zip(MESH_AXES, sizes))} holds {int(np.prod(sizes))} devices but "
+                         f"{len(devices)} are given; make the sizes multiply to {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
+
+
+def simulated_cpu_env(devices: int) -> dict[str, str]:
+    """This process's environment for a fresh one that runs JAX on `devices` simulated CPU devices (the device
+    count is fixed when JAX starts); the other XLA flags set here are kept."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+
+
+_MOE_AXES = {"experts": "expert", "mlp": "tensor"}  # where the expert-parallel shard_map reads them
+
+
+def rules_for(cfg_name: str) -> dict[str, str | None]:
+    """The rules table of a preset."""
+    if cfg_name not in RULES:
+        raise ValueError(f"rules_for: no rules table for {cfg_name!r}; use one of {sorted(RULES)} or pass rules=")
+    return RULES[cfg_name]
+
+
+def check_rules(rules: Rules) -> None:
+    """The MoE's shard_map reads experts on `expert` and their width on `tensor`: a table must agree."""
+    for axis, target in _MOE_AXES.items():
+        if rules.get(axis) not in (target, None):
+            raise ValueError(f"rules: {axis!r} → {rules[axis]!r}, but the MoE's expert-parallel shard_map reads "
+                             f"{axis!r} on mesh axis {target!r}; map it to {target!r} or None")
+
+
+def spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Rules, what: str) -> PartitionSpec:
+    """The `PartitionSpec` of one array with logical `axes` and `shape` (checked against `mesh`). A rule's target
+    is a mesh axis, a tuple of mesh axes (the dimension splits over their product) or None."""
+    out, used = [], set()
+    for axis, size in zip(axes, shape):
+        if axis is not None and axis not in rules:
+            raise ValueError(f"{what}: logical axis {axis!r} has no rule; add it to the rules table "
+                             f"(known: {sorted(rules)})")
+        target = None if axis is None else rules[axis]
+        targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        for t in targets:
+            if t not in mesh.shape:
+                raise ValueError(f"{what}: rule {axis!r} → {target!r}, but the mesh has axes {tuple(mesh.shape)}")
+            if t in used:
+                raise ValueError(f"{what}: mesh axis {t!r} would shard two dimensions; map {axis!r} to None")
+            used.add(t)
+        ways = int(np.prod([mesh.shape[t] for t in targets]))
+        if size % ways:
+            raise ValueError(f"{what}: dimension {axis!r} of size {size} does not split over mesh axis "
+                             f"{target!r} of size {ways}; pick a mesh size that divides {size} "
+                             f"or map {axis!r} to None in the rules")
+        out.append(target)
+    return PartitionSpec(*out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Placements: how an entry point's argument (a pytree) is laid out on a mesh
+
+Placement = Callable[[Any, Mesh, Rules, str], Any]
+
+
+def rows(mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
+    """Split over the `batch` rule's mesh axis (`data` when no rules are given) along the leading axis, the rest
+    replicated: a prefix for any per-row pytree."""
+    return NamedSharding(mesh, PartitionSpec("data" if rules is None else rules.get("batch", "data")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def check_batch(batch: int, mesh: Mesh, what: str) -> None:
+    """A batch of `batch` rows splits over `data`, or ValueError naming `what`."""
+    if batch % mesh.shape["data"]:
+        raise ValueError(f"{what}: batch {batch} does not split over mesh axis 'data' of size {mesh.shape['data']}; "
+                         "use a batch that is a multiple of it")
+
+
+def ROWS(value, mesh: Mesh, rules: Rules, what: str):
+    """Every leaf leads with the batch: split over `batch` (checked to divide)."""
+    leaves = jax.tree.leaves(value)
+    if leaves and np.ndim(leaves[0]):
+        check_batch(np.shape(leaves[0])[0], mesh, what)
+    return jax.tree.map(lambda _: rows(mesh, rules), value)
+
+
+def REPLICATED(value, mesh: Mesh, rules: Rules, what: str):
+    """Every leaf whole on every device (keys, scalars, small tables)."""
+    return jax.tree.map(lambda _: replicated(mesh), value)
+
+
+def PARAMS(value: nnx.State, mesh: Mesh, rules: Rules, what: str) -> nnx.State:
+    """An `nnx.State` of parameters (arrays or shapes), each by its own logical axes (`out_sharding` metadata) and
+    the rules: an `nnx.State` of `NamedSharding`s in the same structure."""
+    check_rules(rules)
+    names = nnx.to_pure_dict(nnx.get_partition_spec(value))
+
+    def one(path, logical, array):
+        return NamedSharding(mesh, spec(tuple(logical), array.shape, mesh, rules,
+                                        f"{what}: parameter {jax.tree_util.keystr(path)}"))
+
+    shardings = jax.tree_util.tree_map_with_path(one, names, nnx.to_pure_dict(value),
+                                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
+    out = jax.tree.map(lambda a: a, value)  # the same structure, then each leaf replaced by its sharding
+    nnx.replace_by_pure_dict(out, shardings)
+    return out
+
+
+class HostShards:
+    """The host buffers of one array's addressable shards under `sharding`, written slot by slot (`x[index] = v`
+    for a leading integer `index` and a value of the remaining dimensions) and assembled by `array()` with each
+    buffer placed on its devices: nothing outside this process's shards is ever held."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+        self.shape, self.dtype, self.sharding = tuple(shape), np.dtype(dtype), sharding
+        self._devices = sharding.addressable_devices_indices_map(self.shape)
+        self._buffers: dict[tuple, np.ndarray] = {}
+        for index in self._devices.values():
+            key = self._key(index)
+            if key not in self._buffers:
+                self._buffers[key] = np.empty([b - a for a, b in key], self.dtype)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def _key(self, index: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
+        return tuple(sl.indices(n)[:2] for sl, n in zip(index, self.shape))
+
+    def __setitem__(self, index: tuple[int, ...], value: np.ndarray) -> None:
+        lead = len(index)
+        for key, buf in self._buffers.items():
+            if all(a <= i < b for i, (a, b) in zip(index, key[:lead])):
+                local = tuple(i - a for i, (a, _) in zip(index, key[:lead]))
+                buf[local] = value[tuple(slice(a, b) for a, b in key[lead:])]
+
+    def array(self) -> jax.Array:
+        pieces = [jax.device_put(self._buffers[self._key(index)], device) for device, index in self._devices.items()]
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, pieces)
