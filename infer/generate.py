@@ -31,11 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import model, sharding
-from csa2.config import EOS_ID, PAD_ID, ModelConfig
+from csa2.checks import is_int, is_number
+from csa2.config import ModelConfig
+from csa2.presets import EOS_ID, PAD_ID
 from csa2.replay import ReplayPolicy
 from csa2.sampling import sample
 from csa2.state import State, init_state, token_granule, validate_state_args
-from infer.values import is_int, is_number, pow2, round_up
+from infer.values import pow2, round_up
 
 Array = jax.Array
 

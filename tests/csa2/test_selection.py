@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from csa2 import model, selection
-from csa2.config import preset
 from csa2.layout import layer_plan
+from csa2.presets import preset
 from csa2.replay import ReplayPolicy
 
 MINI = preset("mini")

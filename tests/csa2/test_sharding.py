@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from csa2 import sharding
-from csa2.config import PRESETS, preset
+from csa2.presets import PRESETS, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ EXPERT_PARALLEL = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from csa2 import moe, sharding
-    from csa2.config import preset
+    from csa2.presets import preset
     cfg = preset("mini")
     params = nnx.to_pure_dict(nnx.state(moe.MoE(cfg, nnx.Rngs(0))))
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 5, cfg.hidden_size))
@@ -119,7 +119,7 @@ EIGHT_DEVICES = textwrap.dedent("""
     from flax import nnx
     from csa2 import sharding, model
     from csa2.checkpoints import hf, load_hf, save_hf
-    from csa2.config import preset
+    from csa2.presets import preset
     assert jax.device_count() == 8
     cfg = preset("mini")
     rng = np.random.default_rng(0)
@@ -160,7 +160,7 @@ ENTRY_POINTS = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
     from csa2 import model, sharding
-    from csa2.config import preset
+    from csa2.presets import preset
     from csa2.state import init_state
     from train import step as train_lib
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from csa2 import selection
-from csa2.config import preset
 from csa2.layout import layer_plan
+from csa2.presets import preset
 from csa2.probe import Probe
 from experiments import kv_selection as kv
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from csa2 import model, sharding
-    from csa2.config import preset
+    from csa2.presets import preset
     from infer import generate as gen
 
     cfg = preset("mini")
