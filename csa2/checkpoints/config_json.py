@@ -2,7 +2,9 @@
 `text_config`. Only the RELEASED fields come from the file; VARIANT and RUNTIME fields are passed by keyword.
 
 A key this framework cannot honour raises `ValueError` naming it. Accepted without being stored: metadata
-(`model_type`, `dtype`, token ids, ...) and keys the released values fix (`num_key_value_heads`: 1, ...).
+(`model_type`, `dtype`, token ids, ...), keys the released values fix (`num_key_value_heads`: 1, ...), and
+the generic keys that transformers' `PreTrainedConfig` writes into every config it saves (a checkpoint that
+transformers re-saved carries them in its `text_config`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ _HF_IGNORED = {
     "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
     "router_jitter_noise", "engram_num_embeddings", "rope_parameters", "layer_types",
     "quantization_config", "auto_map", "base_config_key",
+}
+# Keys that transformers' generic `PreTrainedConfig.to_dict` writes for any model (`save_pretrained` of a
+# `DeepseekV41ForCausalLM` puts them in `text_config`): task heads, output switches, the load path.
+_HF_GENERIC = {
+    "_name_or_path", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
+    "output_attentions", "output_hidden_states", "problem_type", "return_dict",
 }
 
 
@@ -67,7 +75,7 @@ def from_hf_config(d: Mapping[str, Any], **framework: Any) -> ModelConfig:
         if key in _HF_FIXED:
             if value != _HF_FIXED[key]:
                 raise ValueError(f"config.json {key}={value!r}: csa2 implements only {key}={_HF_FIXED[key]!r} (V4.1)")
-        elif key in _HF_IGNORED:
+        elif key in _HF_IGNORED or key in _HF_GENERIC:
             continue
         elif key == "rope_scaling":
             if value is not None and not isinstance(value, Mapping):

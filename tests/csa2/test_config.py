@@ -477,6 +477,50 @@ def test_from_hf_config_unknown_key():
         from_hf_config({"text_config": d})
 
 
+def _saved_by_transformers(text: dict, directory: pathlib.Path) -> dict:
+    """The config.json that transformers' `save_pretrained` writes for a composite config whose `text_config`
+    is `text` (the layout of a saved `DeepseekV41ForCausalLM`), read back from `directory`."""
+    from transformers import PreTrainedConfig
+
+    class TextConfig(PreTrainedConfig):
+        model_type = "deepseek_v41_text"
+        base_config_key = "text_config"
+        rope_scaling: dict | None = None  # a field of the V4.1 text config, not transformers' generic RoPE alias
+
+    class Config(PreTrainedConfig):
+        model_type = "deepseek_v41"
+        sub_configs = {"text_config": TextConfig}
+        text_config: dict | PreTrainedConfig | None = None
+
+        def __post_init__(self, **kwargs):
+            if isinstance(self.text_config, dict):
+                self.text_config = TextConfig(**self.text_config)
+            super().__post_init__(**kwargs)
+
+    Config(architectures=["DeepseekV41ForCausalLM"], text_config=text).save_pretrained(directory)
+    return json.loads((directory / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_from_hf_config_reads_a_config_json_that_transformers_saved(name, tmp_path):
+    """transformers writes its generic `PreTrainedConfig` keys (`_name_or_path`, `id2label`, `return_dict`, ...)
+    into the `text_config` of every config it saves: a re-saved checkpoint reads back to the same config,
+    and a real unknown key beside them is still refused by name."""
+    from transformers import PreTrainedConfig
+
+    from csa2.checkpoints.hf import read_config
+
+    cfg = preset(name)
+    saved = _saved_by_transformers(to_hf_config(cfg), tmp_path)
+    generic = set(PreTrainedConfig().to_dict()) - {"transformers_version"}
+    assert generic <= set(saved["text_config"]), "every generic key transformers writes is under test"
+    assert from_hf_config(saved, dtype=cfg.dtype, max_draft=cfg.max_draft) == cfg
+    assert model_differences(read_config(tmp_path), cfg) == ()  # the checkpoint directory loads
+    saved["text_config"]["frobnicate_heads"] = 3
+    with pytest.raises(ValueError, match="unknown key 'frobnicate_heads'"):
+        from_hf_config(saved)
+
+
 def test_from_hf_config_rejects_framework_field_keys():
     d = released_text_config()
     d["max_draft"] = 4
