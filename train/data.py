@@ -1,7 +1,7 @@
 """Byte-level data for the tiny presets: tokenizer, built-in corpus, packed batches, long-context tasks.
 
 Tokens are bytes: ids 0..255 are the UTF-8 bytes of the text, then BOS, EOS, PAD
-(`csa2.config`, vocabulary of 259). Everything here is numpy and deterministic:
+(`csa2.presets`, vocabulary of 259). Everything here is numpy and deterministic:
 
 - **Corpus** (`load_corpus`): the text of CPython's `pydoc_data.topics` (in every Python install,
   so nothing is downloaded). Topics are sorted by key and a text equal to an earlier one is dropped
