@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from csa2 import inspect
+from csa2 import plan_report
 from csa2.checkpoints import convert
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m csa2")
     sub = parser.add_subparsers(dest="command", required=True)
-    inspect.add_command(sub)
+    plan_report.add_command(sub)
     convert.add_command(sub)
     args = parser.parse_args(argv)
     try:

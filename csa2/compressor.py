@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from csa2 import cache
+from csa2.checks import is_static_int
 from csa2.config import ModelConfig
 from csa2.norm import rms_norm
 from csa2.params import normal, ones
@@ -126,7 +127,7 @@ def _write_entries(cfg: ModelConfig, params: dict, ratio: int, source: SourceKV,
 
 def _check_ratio(ratio: int) -> None:
     """A compressor pools ratio ≥ 1 tokens per entry (ratio-0 layers have none)."""
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+    if not is_static_int(ratio) or ratio < 1:
         raise ValueError(f"ratio={ratio!r}: a compressor needs an integer ratio ≥ 1 (ratio-0 layers have none)")
 
 

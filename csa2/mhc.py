@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from csa2.checks import is_static_int
 from csa2.config import ModelConfig
 from csa2.norm import rms_norm
 from csa2.params import normal, ones, zeros
@@ -119,7 +120,7 @@ def first_pre(n: int) -> Array:
 
 def _check_n(n: int) -> None:
     """Raise ValueError unless the stream count `n` is a positive integer (DESIGN §7)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_static_int(n) or n < 1:
         raise ValueError(f"n={n!r}: the stream count (hc_mult) must be a positive integer")
 
 

@@ -24,6 +24,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from csa2.checks import is_static_int
 from csa2.chunk import Chunk
 from csa2.config import ModelConfig
 from csa2.layout import layer_plan
@@ -31,10 +32,6 @@ from csa2.layout import layer_plan
 Array = jax.Array
 
 SHORT_EXTEND = ("truncate", "borrow")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +59,9 @@ class ReplayPolicy:
     short_extend: str = "truncate"
 
     def __post_init__(self) -> None:
-        if self.window is not None and (not _is_int(self.window) or self.window < 1):
+        if self.window is not None and (not is_static_int(self.window) or self.window < 1):
             raise ValueError(f"ReplayPolicy.window={self.window!r}: use a positive token count, or None for exact mode")
-        if self.split_layer is not None and (not _is_int(self.split_layer) or self.split_layer < 0):
+        if self.split_layer is not None and (not is_static_int(self.split_layer) or self.split_layer < 0):
             raise ValueError(f"ReplayPolicy.split_layer={self.split_layer!r}: use a layer index ≥ 0, or None for the "
                              "first decoder layer")
         if self.short_extend not in SHORT_EXTEND:

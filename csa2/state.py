@@ -45,13 +45,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from csa2.checks import is_int, tree_bytes
 from csa2.config import ModelConfig
 from csa2.layout import kv_stacks
 from pallas_kernels.formats import INDEX, MAIN, WINDOW, entry_bytes
@@ -206,15 +205,11 @@ def token_granule(cfg: ModelConfig) -> int:
     return math.lcm(1, *(r for r in cfg.compress_ratios if r > 0))
 
 
-def _is_count(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def validate_state_args(cfg: ModelConfig, batch: int, capacity: int, cache_format: str) -> None:
-    if not _is_count(batch) or batch < 1:
+    if not is_int(batch) or batch < 1:
         raise ValueError(f"init_state: batch={batch!r} must be a positive integer")
     granule = token_granule(cfg)
-    if not _is_count(capacity) or capacity < 1 or capacity % granule:
+    if not is_int(capacity) or capacity < 1 or capacity % granule:
         raise ValueError(f"init_state: capacity={capacity!r} must be a positive multiple of {granule} "
                          "(the compress ratios), e.g. a power of two")
     if capacity > cfg.max_position_embeddings:
@@ -255,21 +250,17 @@ def abstract_state(cfg: ModelConfig, batch: int, capacity: int, cache_format: st
     return jax.eval_shape(lambda: init_state(cfg, batch, capacity, cache_format))
 
 
-def _nbytes(tree: Any) -> int:
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
-
-
 def state_bytes(state: State) -> dict[str, int]:
     """Bytes per component, from the actual arrays (or `ShapeDtypeStruct`s of `abstract_state`)."""
     parts = {
-        "global_kv": _nbytes(state.global_kv),
-        "swa": _nbytes(state.swa),
-        "tails": _nbytes(state.tails),
-        "tokens": _nbytes(state.tokens),
-        "accept": _nbytes(state.accept),
-        "draft": _nbytes(state.draft),
-        "length": _nbytes(state.length),
-        "floor": _nbytes(state.floor),
+        "global_kv": tree_bytes(state.global_kv),
+        "swa": tree_bytes(state.swa),
+        "tails": tree_bytes(state.tails),
+        "tokens": tree_bytes(state.tokens),
+        "accept": tree_bytes(state.accept),
+        "draft": tree_bytes(state.draft),
+        "length": tree_bytes(state.length),
+        "floor": tree_bytes(state.floor),
     }
     parts["total"] = sum(parts.values())
     return parts

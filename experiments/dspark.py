@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import model
-from csa2.config import EOS_ID, PAD_ID, ModelConfig
+from csa2.config import ModelConfig
+from csa2.presets import EOS_ID, PAD_ID
 from csa2.replay import ReplayPolicy
 from csa2.sampling import distribution, sample
 from csa2.state import init_state, token_granule

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import model
-from csa2.config import PRESETS, preset
+from csa2.presets import PRESETS, preset
 from csa2.replay import EXACT, ReplayPolicy, token_layers
 from csa2.state import init_state, state_bytes, token_granule
 from infer import generate

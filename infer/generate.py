@@ -33,12 +33,14 @@ from jax.sharding import Mesh
 
 from csa2 import model
 from csa2.boundary import entry_point
-from csa2.config import EOS_ID, PAD_ID, ModelConfig
+from csa2.checks import is_int, is_number
+from csa2.config import ModelConfig
 from csa2.mesh import PARAMS, ROWS, Rules
+from csa2.presets import EOS_ID, PAD_ID
 from csa2.replay import ReplayPolicy
 from csa2.sampling import sample
 from csa2.state import State, init_state, token_granule, validate_state_args
-from infer.values import is_int, is_number, pow2, round_up
+from infer.values import pow2, round_up
 
 Array = jax.Array
 

@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import model
+from csa2.checks import is_int, tree_bytes
 from csa2.config import ModelConfig
 from csa2.layout import kv_stacks
 from csa2.replay import Extend, ReplayPolicy
 from csa2.state import State, capacity, init_state
 from infer.schedule import config_fingerprint
-from infer.values import is_int
 
 Array = jax.Array
 
@@ -176,8 +176,8 @@ class PrefixCache:
     @property
     def nbytes(self) -> dict[str, int]:
         """Bytes held: Global KV records and snapshots."""
-        return {"global_kv": sum(_nbytes(r.global_kv) for r in self._records.values()),
-                "snapshots": sum(_nbytes((s.swa, s.tails, s.tokens, s.draft, s.floor)) for s in self._snapshots.values())}
+        return {"global_kv": sum(tree_bytes(r.global_kv) for r in self._records.values()),
+                "snapshots": sum(tree_bytes((s.swa, s.tails, s.tokens, s.draft, s.floor)) for s in self._snapshots.values())}
 
     # ----------------------------------------------------------------------------------- restore
     def restore(self, hit: Hit, state: State, row: int, prompt, replay: ReplayPolicy) -> tuple[State, int]:
@@ -221,10 +221,6 @@ class PrefixCache:
         if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
             raise ValueError(f"{where}: the state does not have the shapes of this store's config {self.config}; "
                              "use the store of the model that made the state")
-
-
-def _nbytes(tree: Any) -> int:
-    return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
 
 
 def _format(state: State) -> str:

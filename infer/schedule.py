@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.values import is_int, is_number
+from csa2.checks import is_int, is_number
 
 Array = jax.Array
 

@@ -37,14 +37,16 @@ from jax.sharding import Mesh
 
 from csa2 import model
 from csa2.boundary import entry_point
-from csa2.config import EOS_ID, PAD_ID, ModelConfig
+from csa2.checks import is_int
+from csa2.config import ModelConfig
 from csa2.mesh import PARAMS, REPLICATED, ROWS, Rules
+from csa2.presets import EOS_ID, PAD_ID
 from csa2.replay import ReplayPolicy, drafting_replay
 from csa2.sampling import distribution, sample
 from csa2.state import State, init_state, token_granule, validate_state_args
 from infer import generate
 from infer.schedule import SpsTable, config_fingerprint, schedule
-from infer.values import is_int, pow2, round_up
+from infer.values import pow2, round_up
 
 Array = jax.Array
 

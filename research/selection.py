@@ -84,7 +84,7 @@ class View:
         return sink_softmax(self.logits(), self.rest)
 
     def mass(self) -> Array:
-        """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`csa2.probe`'s mass)."""
+        """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`research.probe`'s mass)."""
         return jnp.mean(self.probs(), axis=2)
 
 

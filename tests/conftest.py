@@ -39,7 +39,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from csa2 import model  # noqa: E402  (after the cache is configured: nothing may compile before)
-from csa2.config import preset  # noqa: E402
+from csa2.presets import preset  # noqa: E402
 
 
 @pytest.fixture(scope="session")

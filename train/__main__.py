@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import sys
 
-from csa2.config import PRESETS, preset
+from csa2.presets import PRESETS, preset
 from train import longctx
 from train.data import load_corpus
 from train.loop import evaluate, train

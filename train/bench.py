@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import mesh as mesh_lib
-from csa2.config import PRESETS, preset
+from csa2.presets import PRESETS, preset
 from infer.bench_model import Reporter, config_info, machine_info
 from train.plan import parse_mesh, rerun_with_devices
 from train.step import TrainConfig, init_train_state, train_state_shardings, train_step

@@ -1,7 +1,7 @@
 """Byte-level data for the tiny presets: tokenizer, built-in corpus, packed batches, long-context tasks.
 
 Tokens are bytes: ids 0..255 are the UTF-8 bytes of the text, then BOS, EOS, PAD
-(`csa2.config`, vocabulary of 259). Everything here is numpy and deterministic:
+(`csa2.presets`, vocabulary of 259). Everything here is numpy and deterministic:
 
 - **Corpus** (`load_corpus`): the text of CPython's `pydoc_data.topics` (in every Python install,
   so nothing is downloaded). Topics are sorted by key and a text equal to an earlier one is dropped
@@ -28,7 +28,8 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from csa2.config import BYTE_VOCAB_SIZE, PAD_ID
+from csa2.checks import fail, is_int
+from csa2.presets import BYTE_VOCAB_SIZE, PAD_ID
 from csa2.tokenizer import encode
 
 VALID_EVERY = 10  # document i (distinct topic texts, sorted by key) is validation iff i % VALID_EVERY == 0
@@ -38,11 +39,6 @@ _FILLER = ("The grass is green. The sky is blue. The sun is yellow. "
 _NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
           "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
           "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu")
-
-
-def _fail(field: str, value: object, fix: str) -> None:
-    """Raise the DESIGN §7 error: field, value, fix."""
-    raise ValueError(f"{field}={value!r}: {fix}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,20 +70,20 @@ def load_corpus() -> Corpus:
 
 def _check_positive(field: str, value: object) -> None:
     """A positive Python/numpy int, or ValueError."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        _fail(field, value, "must be a positive integer")
+    if not is_int(value) or value < 1:
+        fail(field, value, "must be a positive integer")
 
 
 def _check_tokens(tokens, min_len: int, fix: str) -> np.ndarray:
     """A 1-D int32 stream of at least `min_len` ids inside the byte vocabulary, or ValueError."""
     arr = np.asarray(tokens)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        _fail("tokens", f"array of shape {arr.shape} and dtype {arr.dtype}", "pass a 1-D integer token stream")
+        fail("tokens", f"array of shape {arr.shape} and dtype {arr.dtype}", "pass a 1-D integer token stream")
     if arr.size < min_len:
-        _fail("tokens", f"stream of {arr.size} tokens", f"needs at least {min_len} tokens; {fix}")
+        fail("tokens", f"stream of {arr.size} tokens", f"needs at least {min_len} tokens; {fix}")
     bad = (arr < 0) | (arr >= BYTE_VOCAB_SIZE)
     if bad.any():
-        _fail("tokens", int(arr[bad][0]), f"token ids must lie in [0, {BYTE_VOCAB_SIZE})")
+        fail("tokens", int(arr[bad][0]), f"token ids must lie in [0, {BYTE_VOCAB_SIZE})")
     return arr.astype(np.int32)
 
 
@@ -96,10 +92,10 @@ def batches(tokens, batch_size: int, seq_len: int, *, seed: int,
     """Infinite (inputs [B, L], targets [B, L]) int32 random windows; step k depends only on (seed, k)."""
     _check_positive("batch_size", batch_size)
     _check_positive("seq_len", seq_len)
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
-        _fail("seed", seed, "must be a non-negative integer")
-    if not isinstance(start_step, (int, np.integer)) or isinstance(start_step, bool) or start_step < 0:
-        _fail("start_step", start_step, "must be a non-negative integer (the saved data position)")
+    if not is_int(seed) or seed < 0:
+        fail("seed", seed, "must be a non-negative integer")
+    if not is_int(start_step) or start_step < 0:
+        fail("start_step", start_step, "must be a non-negative integer (the saved data position)")
     arr = _check_tokens(tokens, seq_len + 1, "a window is seq_len + 1 tokens, lower seq_len")
     offsets = np.arange(seq_len + 1)
     step = int(start_step)
@@ -142,13 +138,13 @@ def eval_batches(tokens, batch_size: int,
 def _check_rng(rng) -> None:
     """A numpy Generator, or ValueError."""
     if not isinstance(rng, np.random.Generator):
-        _fail("rng", type(rng).__name__, "pass a numpy Generator, e.g. np.random.default_rng(seed)")
+        fail("rng", type(rng).__name__, "pass a numpy Generator, e.g. np.random.default_rng(seed)")
 
 
 def _check_depth(field: str, depth) -> float:
     """A relative depth in [0, 1], or ValueError."""
     if not isinstance(depth, (int, float, np.integer, np.floating)) or not 0.0 <= float(depth) <= 1.0:
-        _fail(field, depth, "must be a relative depth in [0, 1] (0 = start of the filler, 1 = end)")
+        fail(field, depth, "must be a relative depth in [0, 1] (0 = start of the filler, 1 = end)")
     return float(depth)
 
 
@@ -166,7 +162,7 @@ def _haystack(length: int, needles: Sequence[tuple[float, str]], question: str) 
     fixed = 1 + sum(len(text) for _, text in needles) + len(question)  # ASCII: bytes == chars
     n_filler = length - fixed
     if n_filler < 0:
-        _fail("length", length, f"needs at least {fixed} tokens for the needles and the question; raise length")
+        fail("length", length, f"needs at least {fixed} tokens for the needles and the question; raise length")
     repeated = _FILLER * (n_filler // len(_FILLER) + 1)
     filler = repeated[len(repeated) - n_filler:]
     starts = np.array(sorted({0, n_filler, *(m.end() for m in re.finditer(r"\. ", filler))}))
@@ -207,10 +203,10 @@ def multi_needle_example(rng: np.random.Generator, length: int, n_keys: int, dep
     _check_positive("length", length)
     _check_positive("n_keys", n_keys)
     if n_keys > len(_NAMES):
-        _fail("n_keys", n_keys, f"at most {len(_NAMES)} distinct names are available; lower n_keys")
+        fail("n_keys", n_keys, f"at most {len(_NAMES)} distinct names are available; lower n_keys")
     depths = list(depths)
     if len(depths) != n_keys:
-        _fail("depths", depths, f"needs one depth per key: {n_keys} values")
+        fail("depths", depths, f"needs one depth per key: {n_keys} values")
     depths = [_check_depth(f"depths[{i}]", d) for i, d in enumerate(depths)]
     _check_positive("digits", digits)
     names = [_NAMES[i] for i in rng.choice(len(_NAMES), size=n_keys, replace=False)]

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from csa2 import model
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state, kv_bytes_per_token
 from csa2.tokenizer import decode, encode

@@ -23,12 +23,13 @@ from typing import Iterator
 
 import numpy as np
 
+from csa2.checks import is_int
 from csa2.config import ModelConfig
 from infer.generate import Sampling, generate
 
 
 def _check(name: str, value, low: int, fix: str) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name}={value!r}: must be an integer ≥ {low}; {fix}")
 
 

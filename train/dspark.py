@@ -72,8 +72,10 @@ from flax import nnx
 
 from csa2 import dspark, model
 from csa2.checkpoints import native as checkpoint
-from csa2.config import BOS_ID, ModelConfig
+from csa2.checks import is_static_int
+from csa2.config import ModelConfig
 from csa2.params import arrays
+from csa2.presets import BOS_ID
 from train.data import batches
 from train.distill import continuations, pool_batches
 from train.loop import figure, progress
@@ -115,7 +117,7 @@ class DSparkTrainConfig:
                  "log_every": "log every step (1) or every few steps"}
         for name, fix in fixes.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_static_int(value) or value < 1:
                 raise ValueError(f"DSparkTrainConfig.{name}={value!r}: must be an integer ≥ 1; {fix}")
         if not isinstance(self.seq_len, int) or self.seq_len < 2:
             raise ValueError(f"DSparkTrainConfig.seq_len={self.seq_len!r}: must be an integer ≥ 2 (an anchor and the "
@@ -291,7 +293,7 @@ def optimizer(dc: DSparkTrainConfig) -> optax.GradientTransformation:
 
 def with_stages(cfg: ModelConfig, params: nnx.State, stages: int, seed: int) -> tuple[ModelConfig, nnx.State]:
     """(config, params) of the backbone `params` of `cfg` with a fresh drafter of `stages` draft stages."""
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+    if not is_static_int(stages) or stages < 1:
         raise ValueError(f"stages={stages!r}: a drafter has at least one draft stage (--stages 1 … ; the release has 3)")
     cfg = cfg.replace(num_nextn_predict_layers=stages)
     return cfg, checkpoint.with_drafter(params, fresh_drafter(cfg, seed), cfg)

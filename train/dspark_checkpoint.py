@@ -22,7 +22,8 @@ import time
 from typing import Callable
 
 from csa2.checkpoints import native as ckpt
-from csa2.config import ModelConfig, preset
+from csa2.config import ModelConfig
+from csa2.presets import preset
 from train import dspark
 from train.data import load_corpus
 from train.dspark import DSparkTrainConfig

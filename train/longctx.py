@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2.checkpoints import native as ckpt
 from csa2 import model
-from csa2.config import BOS_ID, ModelConfig, preset
+from csa2.checkpoints import native as ckpt
+from csa2.config import ModelConfig
+from csa2.presets import BOS_ID, preset
 from csa2.tokenizer import encode
 from train.data import load_corpus, multi_needle_example, passkey_example
 from train.loop import train

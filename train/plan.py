@@ -30,7 +30,8 @@ import numpy as np
 
 from csa2 import mesh as mesh_lib, model, sharding
 from csa2 import state as state_lib
-from csa2.config import ENGRAM_TABLE_FORMATS, PRESETS, ModelConfig, preset
+from csa2.config import ENGRAM_TABLE_FORMATS, ModelConfig
+from csa2.presets import PRESETS, preset
 from csa2.state import CACHE_FORMATS
 from train.step import TrainConfig, init_train_state, train_state_shardings, train_step
 

@@ -21,7 +21,8 @@ import jax
 import optax
 
 from csa2.checkpoints import hf, native, released
-from csa2.config import PRESETS, from_hf_config, preset
+from csa2.checkpoints.config_json import from_hf_config
+from csa2.presets import PRESETS, preset
 
 
 def index_report(cfg, names: list[str]) -> tuple[list[str], list[str], list[str]]:

@@ -41,8 +41,10 @@ from jax.sharding import Mesh
 
 from csa2 import engram_vocab
 from csa2.checkpoints import released, shards as shards_lib, weights
+from csa2.checkpoints.config_json import from_hf_config, to_hf_config
 from csa2.checkpoints.released import Tensor
-from csa2.config import RUNTIME, VARIANT, ModelConfig, fields_of, from_hf_config, model_differences, to_hf_config
+from csa2.checks import tree_bytes
+from csa2.config import RUNTIME, VARIANT, ModelConfig, fields_of, model_differences
 from csa2.engram import engram_table_rows
 from csa2.model import abstract_params
 from csa2.mesh import HostShards, Rules
@@ -273,7 +275,7 @@ def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: A
             placed, vocab = vocab, HostShards(vocab.shape, vocab.dtype, shardings[engram_vocab.PARAM])
             vocab[()] = placed
         tree[engram_vocab.PARAM] = vocab
-    param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+    param_bytes = tree_bytes(tree)
     return cfg, tree, Summary(len(table), store.bytes_read, skipped, time.perf_counter() - start, peak, param_bytes, largest)
 
 
@@ -353,7 +355,7 @@ def save_hf(params: nnx.State, cfg: ModelConfig, path: str | os.PathLike, *, dty
                                          max_shard_bytes=max_shard_bytes)
     written = sum(os.path.getsize(path / f) for f in set(weight_map.values()))
     return Summary(len(weight_map), written, (), time.perf_counter() - start, 0,
-                   sum(a.nbytes for a in jax.tree.leaves(tree)), 0)
+                   tree_bytes(tree), 0)
 
 
 def dry_run(cfg: ModelConfig) -> list[str]:

@@ -10,10 +10,10 @@ import pytest
 import csa2.attention as attn
 from csa2.attention import grouped_output, window_ids
 from csa2.boundary import check_chunk
-from csa2.config import preset
 from csa2.indexer import Bus
 from csa2.layout import kv_address, layer_plan
 from csa2.norm import rms_norm
+from csa2.presets import preset
 from csa2.state import init_state
 from pallas_kernels import ops
 from pallas_kernels.reference import sink_attention

@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 
 from csa2.checkpoints import native as checkpoint
-from csa2.config import ModelConfig, preset
+from csa2.config import ModelConfig
 from csa2.model import abstract_params
 from csa2.moe import RouterBias
+from csa2.presets import preset
 
 CFG = preset("mini")
 

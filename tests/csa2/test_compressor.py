@@ -11,7 +11,7 @@ from flax import nnx
 
 from csa2 import quant
 from csa2.compressor import Compressor, compress
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import init_state, tail_slots
 

@@ -1,4 +1,5 @@
-"""Tests for csa2.config: presets, hashing, validation rule by rule, released config.json (SPEC §1, DESIGN §7)."""
+"""Tests for csa2.config, csa2.presets and the released config.json (csa2.checkpoints.config_json): presets, hashing,
+validation rule by rule, config.json read and written (SPEC §1, DESIGN §7)."""
 
 import ast
 import copy
@@ -12,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import csa2.checks
 import csa2.config
-from csa2.config import (PRESETS, RELEASED, RUNTIME, VARIANT, ModelConfig, fields_of, from_hf_config, to_hf_config,
-                         model_differences, preset, validate)
+from csa2.checkpoints.config_json import from_hf_config, to_hf_config
+from csa2.config import RELEASED, RUNTIME, VARIANT, ModelConfig, fields_of, model_differences, validate
+from csa2.presets import PRESETS, preset
 from pallas_kernels import ops
 
 V41_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
@@ -474,6 +477,50 @@ def test_from_hf_config_unknown_key():
         from_hf_config({"text_config": d})
 
 
+def _saved_by_transformers(text: dict, directory: pathlib.Path) -> dict:
+    """The config.json that transformers' `save_pretrained` writes for a composite config whose `text_config`
+    is `text` (the layout of a saved `DeepseekV41ForCausalLM`), read back from `directory`."""
+    from transformers import PreTrainedConfig
+
+    class TextConfig(PreTrainedConfig):
+        model_type = "deepseek_v41_text"
+        base_config_key = "text_config"
+        rope_scaling: dict | None = None  # a field of the V4.1 text config, not transformers' generic RoPE alias
+
+    class Config(PreTrainedConfig):
+        model_type = "deepseek_v41"
+        sub_configs = {"text_config": TextConfig}
+        text_config: dict | PreTrainedConfig | None = None
+
+        def __post_init__(self, **kwargs):
+            if isinstance(self.text_config, dict):
+                self.text_config = TextConfig(**self.text_config)
+            super().__post_init__(**kwargs)
+
+    Config(architectures=["DeepseekV41ForCausalLM"], text_config=text).save_pretrained(directory)
+    return json.loads((directory / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_from_hf_config_reads_a_config_json_that_transformers_saved(name, tmp_path):
+    """transformers writes its generic `PreTrainedConfig` keys (`_name_or_path`, `id2label`, `return_dict`, ...)
+    into the `text_config` of every config it saves: a re-saved checkpoint reads back to the same config,
+    and a real unknown key beside them is still refused by name."""
+    from transformers import PreTrainedConfig
+
+    from csa2.checkpoints.hf import read_config
+
+    cfg = preset(name)
+    saved = _saved_by_transformers(to_hf_config(cfg), tmp_path)
+    generic = set(PreTrainedConfig().to_dict()) - {"transformers_version"}
+    assert generic <= set(saved["text_config"]), "every generic key transformers writes is under test"
+    assert from_hf_config(saved, dtype=cfg.dtype, max_draft=cfg.max_draft) == cfg
+    assert model_differences(read_config(tmp_path), cfg) == ()  # the checkpoint directory loads
+    saved["text_config"]["frobnicate_heads"] = 3
+    with pytest.raises(ValueError, match="unknown key 'frobnicate_heads'"):
+        from_hf_config(saved)
+
+
 def test_from_hf_config_rejects_framework_field_keys():
     d = released_text_config()
     d["max_draft"] = 4
@@ -679,9 +726,9 @@ def test_model_differences():
                                        beta_slow=1.0)))
 
 
-def test_config_imports_nothing_from_csa2():
-    """csa2.config is the root of the import graph (every other module may import it)."""
-    source = pathlib.Path(csa2.config.__file__).read_text()
+def _csa2_imports(module) -> list[str]:
+    """The csa2 modules (and relative imports) that `module`'s source imports."""
+    source = pathlib.Path(module.__file__).read_text()
     imported = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -689,11 +736,21 @@ def test_config_imports_nothing_from_csa2():
         elif isinstance(node, ast.ImportFrom):
             imported.append("." * node.level + (node.module or ""))
     assert imported, "the walk sees the module's imports"
-    offending = [m for m in imported if m.startswith(".") or m == "csa2" or m.startswith("csa2.")]
-    assert offending == [], offending
+    return [m for m in imported if m.startswith(".") or m == "csa2" or m.startswith("csa2.")]
+
+
+def test_config_imports_only_the_host_checks_from_csa2():
+    """csa2.config is the root of the model's import graph (every other module may import it): from csa2 it
+    imports only csa2.checks, which imports nothing from csa2."""
+    assert _csa2_imports(csa2.config) == ["csa2.checks"]
+    assert _csa2_imports(csa2.checks) == []
 
 
 def test_kernel_impl_takes_the_choices_of_the_ops_table():
-    """config imports nothing from the kernels, so its copy of the choices is held to theirs here."""
-    assert csa2.config._KERNEL_IMPLS == ops.CHOICES
+    """config reads the kernel choices from the ops table: each is accepted, and a refusal names them all."""
+    for choice in ops.CHOICES:
+        assert preset("mini").replace(kernel_impl=choice).kernel_impl == choice
     assert preset("mini").replace(kernel_impl="auto").kernel_impl == "auto"
+    with pytest.raises(ValueError, match="kernel_impl='bogus'") as e:
+        preset("mini").replace(kernel_impl="bogus")
+    assert str(ops.CHOICES) in str(e.value)

@@ -7,8 +7,8 @@ import pytest
 
 from csa2 import dspark, model, replay
 from csa2.chunk import Chunk
-from csa2.config import preset
 from csa2.params import arrays
+from csa2.presets import preset
 from csa2.replay import Extend, ReplayPolicy
 from csa2.state import init_state
 from tests.csa2.helpers import keep, tokens

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from csa2 import engram as E
-from csa2.config import preset
+from csa2.presets import preset
 from pallas_kernels.formats import WINDOW
 from pallas_kernels.stored import Stored
 

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, models
 
 from csa2 import engram_vocab, model
 from csa2.checkpoints.hf import as_params
-from csa2.config import preset
+from csa2.presets import preset
 
 # mini's schedule with a compressed vocabulary smaller than its 259 tokens: the model holds a table.
 CFG = preset("mini").replace(engram_compressed_vocab_size=200, engram_pad_id=0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from csa2 import model
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.index_loss import IndexLoss
 from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state

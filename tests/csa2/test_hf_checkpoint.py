@@ -18,8 +18,8 @@ from csa2 import engram_vocab
 from csa2.checkpoints import hf, load_hf, read_hf, released, save_hf, weights
 from csa2.checkpoints.shards import DTYPES, Shards, write_shards
 from csa2.cli import main
-from csa2.config import preset
 from csa2.model import abstract_params
+from csa2.presets import preset
 
 MINI = preset("mini")
 

@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 
 from csa2 import model
-from csa2.config import preset
 from csa2.index_loss import IndexLoss
 from csa2.layout import kv_stacks
+from csa2.presets import preset
 from csa2.state import init_state
 from tests.csa2.attention_stack import init_stack, run_stack
 

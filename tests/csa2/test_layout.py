@@ -3,8 +3,8 @@ addresses and the repeating layer groups (DESIGN §5)."""
 
 import pytest
 
-from csa2.config import preset
 from csa2.layout import Group, LayerSpec, Run, format_plan, kv_address, kv_stacks, layer_groups, layer_plan
+from csa2.presets import preset
 
 FIELDS = ("role", "ratio", "kv_source", "index_source", "is_encoder", "has_engram", "uses_candidates",
           "is_candidate_source")

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from csa2 import mhc
-from csa2.config import preset
 from csa2.norm import rms_norm
+from csa2.presets import preset
 
 CFG = preset("mini")  # hc_mult 4, hidden 64, float32
 N, D = CFG.hc_mult, CFG.hidden_size

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from csa2 import model
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy, token_layers
 from csa2.state import init_state
 from tests.csa2.helpers import keep, tokens as _tokens

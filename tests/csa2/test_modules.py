@@ -9,10 +9,10 @@ import numpy as np
 from flax import nnx
 
 from csa2 import model
-from csa2.config import preset
 from csa2.layout import layer_groups, layer_plan
 from csa2.moe import RouterBias, bias_update
 from csa2.params import arrays
+from csa2.presets import preset
 from csa2.stack import layer_params
 
 TINY, MINI = preset("tiny"), preset("mini")

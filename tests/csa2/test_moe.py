@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from csa2.config import preset
 from csa2.moe import MoE, RouterBias, bias_update, moe, route
+from csa2.presets import preset
 
 # `mini`: d = 64, 8 routed experts top-2, I = 64, float32. A larger init spreads the router scores
 # and makes the expert outputs O(1), so mistakes are visible.

@@ -21,7 +21,7 @@ PROCESS = textwrap.dedent("""
     from flax import nnx
     from jax.experimental import multihost_utils
     from csa2 import mesh as mesh_lib, model, sharding
-    from csa2.config import preset
+    from csa2.presets import preset
     from csa2.state import init_state
     from train import step as train_lib
 

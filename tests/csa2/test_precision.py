@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from csa2 import model
-from csa2.config import preset
+from csa2.presets import preset
 
 SCOPES = {  # scope → what SPEC asks in fp32
     "fp32_router": "§9 router scores",

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from csa2 import model
-from csa2.config import preset
 from csa2.layout import layer_plan
+from csa2.presets import preset
 from csa2.replay import ReplayPolicy
 from experiments import topk
 from research.probe import Probes

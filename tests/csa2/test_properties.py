@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from csa2 import model
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.replay import EXACT, Extend, ReplayPolicy
 from csa2.state import init_state
 from tests.csa2.helpers import keep

@@ -9,8 +9,8 @@ import pytest
 
 from csa2 import model
 from csa2.hooks import Joined
-from csa2.config import preset
 from csa2.layout import layer_plan
+from csa2.presets import preset
 from csa2.replay import ReplayPolicy
 from research import selection
 from research.probe import Probes

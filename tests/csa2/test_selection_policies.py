@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from csa2.config import preset
 from csa2.layout import layer_plan
+from csa2.presets import preset
 from research.selection import (H2O, Oracle, PyramidKV, Quest, SnapKV, StreamingLLM, View, sink_softmax,
                             fill_newest, h2o, newest, oracle, quest, recent_count, snapkv, streaming_llm, top)
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from csa2 import mesh as mesh_lib, sharding
-from csa2.config import PRESETS, preset
+from csa2.presets import PRESETS, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ EXPERT_PARALLEL = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from csa2 import mesh as mesh_lib, moe
-    from csa2.config import preset
+    from csa2.presets import preset
     cfg = preset("mini")
     params = nnx.to_pure_dict(nnx.state(moe.MoE(cfg, nnx.Rngs(0))))
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 5, cfg.hidden_size))
@@ -120,7 +120,7 @@ EIGHT_DEVICES = textwrap.dedent("""
     from flax import nnx
     from csa2 import mesh as mesh_lib, model, sharding
     from csa2.checkpoints import hf, load_hf, save_hf
-    from csa2.config import preset
+    from csa2.presets import preset
     assert jax.device_count() == 8
     cfg = preset("mini")
     rng = np.random.default_rng(0)
@@ -161,7 +161,7 @@ ENTRY_POINTS = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
     from csa2 import mesh as mesh_lib, model, sharding
-    from csa2.config import preset
+    from csa2.presets import preset
     from csa2.state import init_state
     from train import step as train_lib
 

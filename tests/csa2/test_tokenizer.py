@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from csa2 import tokenizer
-from csa2.config import BOS_ID, EOS_ID, PAD_ID
+from csa2.presets import BOS_ID, EOS_ID, PAD_ID
 
 
 @pytest.mark.parametrize("text", ["", "hello, world", "héllo wörld — 日本語 🎉\n\ttabs"])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.tokenizer import encode
 from experiments import dspark as ds
 from infer.generate import Sampling

@@ -4,8 +4,8 @@ themselves run in `tests/csa2/test_selection*.py` and the whole table in the not
 import numpy as np
 import pytest
 
-from csa2.config import preset
 from csa2.layout import layer_plan
+from csa2.presets import preset
 from experiments import kv_selection as kv
 from research import selection
 from research.probe import Probe

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from csa2.config import preset
+from csa2.presets import preset
 from experiments import qat
 from train import longctx
 from train.data import load_corpus

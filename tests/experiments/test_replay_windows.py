@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy, token_layers
 from experiments import replay_windows as rw
 

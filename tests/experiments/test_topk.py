@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from csa2.config import preset
 from csa2.layout import layer_plan
+from csa2.presets import preset
 from experiments import topk
 from research.probe import Probe
 

@@ -4,7 +4,7 @@ interval over prompts)."""
 import numpy as np
 import pytest
 
-from csa2.config import BOS_ID, preset
+from csa2.presets import BOS_ID, preset
 from infer import bench_spec
 from infer.speculative import speculative_generate
 

@@ -19,7 +19,7 @@ import pytest
 
 from csa2 import model
 from csa2.checkpoints import native as checkpoint
-from csa2.config import PAD_ID, preset
+from csa2.presets import PAD_ID, preset
 from csa2.sampling import nucleus
 from csa2.state import init_state
 from csa2.tokenizer import decode, encode

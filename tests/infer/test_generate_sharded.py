@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from csa2 import mesh as mesh_lib, model, sharding
-    from csa2.config import preset
+    from csa2.presets import preset
     from infer import generate as gen
     from infer.speculative import speculative_generate
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from csa2 import model
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.replay import EXACT, Extend, ReplayPolicy
 from csa2.state import init_state
 from infer import prefix_cache as pc

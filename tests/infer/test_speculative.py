@@ -14,7 +14,7 @@ from flax import nnx
 from scipy import stats
 
 from csa2 import model
-from csa2.config import preset
+from csa2.presets import preset
 from csa2.replay import ReplayPolicy
 from csa2.tokenizer import encode
 from infer import speculative as spec_module

@@ -26,7 +26,8 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from csa2.attention import grouped_output
 from csa2.compressor import Compressor, compress
-from csa2.config import YarnScaling, preset
+from csa2.config import YarnScaling
+from csa2.presets import preset
 from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import init_state
 from pallas_kernels.reference import sink_attention

@@ -40,8 +40,8 @@ from flax import nnx
 from csa2 import dspark, model, stack
 from csa2.checkpoints import hf, load_hf, save_hf
 from csa2.checkpoints.shards import Shards, write_shards
-from csa2.config import preset
 from csa2.norm import rms_norm
+from csa2.presets import preset
 from csa2.state import init_state
 from tests.parity import dspark_oracle as oracle
 

@@ -17,8 +17,8 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from csa2 import mhc
-from csa2.config import preset
 from csa2.norm import rms_norm
+from csa2.presets import preset
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # (hc_sinkhorn_iters, hc_eps, rms_norm_eps, fn std, base std, stream scale)

@@ -20,8 +20,8 @@ from flax import nnx
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from csa2.config import preset
 from csa2.moe import MoE, moe, route
+from csa2.presets import preset
 
 ATOL = 1e-5
 MUTANT_MIN = 1e-3  # a wrong implementation must miss the reference by at least 100× the tolerance

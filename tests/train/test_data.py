@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from csa2 import tokenizer
-from csa2.config import BOS_ID, PAD_ID
+from csa2.presets import BOS_ID, PAD_ID
 from train import data
 
 

@@ -4,7 +4,7 @@ continuation of it, seeded; pool batches are a pure function of (seed, step); ba
 import numpy as np
 import pytest
 
-from csa2.config import preset
+from csa2.presets import preset
 from infer.generate import Sampling, generate
 from train.data import load_corpus
 from train.distill import continuations, pool_batches

@@ -12,8 +12,8 @@ from flax import nnx
 
 from csa2 import model
 from csa2.checkpoints import native as checkpoint
-from csa2.config import BOS_ID, preset
 from csa2.moe import RouterBias
+from csa2.presets import BOS_ID, preset
 from train import dspark
 from train.data import load_corpus
 from train.dspark import DSparkTrainConfig

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from csa2.config import BOS_ID, preset
+from csa2.presets import BOS_ID, preset
 from train import __main__ as cli
 from train import longctx
 from train.data import load_corpus

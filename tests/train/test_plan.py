@@ -18,7 +18,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 PLAN = textwrap.dedent("""
     import jax, numpy as np
     from csa2 import mesh as mesh_lib, model, state
-    from csa2.config import preset
+    from csa2.presets import preset
     from train import plan
     cfg = preset("mini")
     mesh = mesh_lib.make_mesh({"data": 2, "tensor": 2, "expert": 2})

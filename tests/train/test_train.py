@@ -12,9 +12,9 @@ from flax import nnx
 
 from csa2 import engram_vocab, model, stack
 from csa2.checkpoints import native as checkpoint
-from csa2.config import preset
 from csa2.layout import layer_groups
 from csa2.moe import RouterBias, bias_update
+from csa2.presets import preset
 from train.data import load_corpus
 from train.loop import evaluate, plot_losses, train
 from train.step import TrainConfig, _labels, init_train_state, train_step

@@ -1,4 +1,4 @@
-"""Tests for `python -m csa2 inspect` (csa2/inspect.py): plan rows and the SPEC §8 memory figures."""
+"""Tests for `python -m csa2 inspect` (csa2/plan_report.py): plan rows and the SPEC §8 memory figures."""
 
 import os
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from csa2.cli import main
-from csa2.inspect import inspect_report
+from csa2.plan_report import inspect_report
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 ROW = re.compile(r"^\s*(\d+)\s+(swa|full|reindex|reuse)\s+(\d+)\s+(\S+)\s+(\S+)\s+(encoder|decoder)\b\s*(.*)$")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from csa2.config import PRESETS, preset
 from csa2.layout import format_groups, format_plan, layer_groups, layer_plan
+from csa2.presets import PRESETS, preset
 from csa2.state import CACHE_FORMATS, abstract_state, kv_bytes_per_token, state_bytes, swa_bytes_per_sequence
 
 
