@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from csa2.config import ModelConfig
-from csa2.mesh import REPLICATED, ROWS, Placement, Rules, check_rules, replicated, rows
+from csa2.mesh import REPLICATED, ROWS, Placement, Rules, check_rules, replicated, rows, use_rules
 from csa2.replay import Extend, ReplayPolicy
 from csa2.state import State, capacity
 
@@ -126,7 +126,8 @@ class OnMesh:
     """An `EntryPoint` compiled for a device mesh: explicit in and out shardings from its placements (by
     argument name, through the rules' logical axes), its donated arguments donated, its host check run first,
     traced under `jax.set_mesh(mesh)` (so the MoE runs expert-parallel, `csa2.moe`). One program per static
-    arguments and argument shapes. Arguments must already be placed (`csa2.sharding.shard_params`,
+    arguments and argument shapes. The rules are in use while it traces (`csa2.mesh.rules_in_use`: the MoE reads
+    its mesh axes from them). Arguments must already be placed (`csa2.sharding.shard_params`,
     `csa2.sharding.init_state`, `jax.device_put(x, self.shardings(name, x))`); an argument in another sharding is
     an error of `jax.jit`, never a silent copy to one device."""
 
@@ -139,15 +140,15 @@ class OnMesh:
         return self.entry._place.get(name, REPLICATED)(value, self.mesh, self.rules, name)
 
     def __call__(self, *args, **kwargs):
-        program, values = self._program(args, kwargs)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            program, values = self._program(args, kwargs)
             return program(*values)
 
     def lower(self, *args, **kwargs):
         """`jax.jit(...).lower` for placed arrays or `jax.ShapeDtypeStruct`s with shardings: `.compile()` it for
         ahead-of-time use and memory plans."""
-        program, values = self._program(args, kwargs)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            program, values = self._program(args, kwargs)
             return program.lower(*values)
 
     def _program(self, args, kwargs) -> tuple[Callable, list]:

@@ -39,8 +39,10 @@ pytree. `csa2.boundary.EntryPoint.on(mesh, rules)` compiles an entry point with 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -125,6 +127,30 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Ru
                              f"or map {axis!r} to None in the rules")
         out.append(target)
     return PartitionSpec(*out)
+
+
+# The rules a compiled entry point is being traced with (`EntryPoint.on` sets them next to `jax.set_mesh`), so
+# code that names mesh axes inside the model (the MoE's shard_map) reads them from the rules, not from literals.
+# Outside `on` (a plain `jax.set_mesh`), the default names: experts on `expert`, their width on `tensor`, rows on
+# `data`.
+_RULES_IN_USE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("csa2_rules", default=None)
+_DEFAULT_AXES = {"batch": "data", **_MOE_AXES}
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules) -> Iterator[None]:
+    """Trace with `rules` in use (`rules_in_use`)."""
+    token = _RULES_IN_USE.set(rules)
+    try:
+        yield
+    finally:
+        _RULES_IN_USE.reset(token)
+
+
+def rules_in_use() -> Rules:
+    """The rules being traced with (`use_rules`), else the default mesh axis of the rows and the experts."""
+    rules = _RULES_IN_USE.get()
+    return _DEFAULT_AXES if rules is None else rules
 
 
 # ---------------------------------------------------------------------------------------------

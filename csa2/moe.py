@@ -6,19 +6,20 @@
   and SwiGLU are float32. As in V4.1 the routing weight scales the hidden `silu(g)·u` before `W2`
   (V4 scales after `W2`; the same math, rounded differently in bfloat16).
 - Dispatch: "dense" gathers each token's k experts (reference); "ragged" sorts the (token, slot) pairs by
-  expert and multiplies the expert groups: in tiles when the groups are large (a grouped matmul in plain
-  XLA, the work of the routed rows rather than of every expert), by `jax.lax.ragged_dot` when they are
-  small. Both sum the k slots in the same order.
-- Expert parallelism: traced under a mesh (`jax.set_mesh`, `EntryPoint.on(mesh, rules)`) whose `expert` axis has
-  more than one device, the routed experts run in a `shard_map`: each device holds `E / expert` experts (and
-  `I / tensor` of their width) and the tokens of its `data` shard, which every device of the `expert` and
-  `tensor` axes already holds whole (activations are split over `data` only). So dispatch needs no
-  collective: a device multiplies the (token, slot) pairs routed to its own experts (`lax.ragged_dot` over
-  its local groups) and the combine is one `psum` over `expert` × `tensor` of the per-token sums `[T, d]`.
-  This is the all-gather formulation (tokens already gathered), chosen over a ragged all-to-all because the
-  batch is not split over `expert`: an all-to-all would only pay when `expert` also splits the tokens. The
-  router, the load and the shared expert stay outside, partitioned by GSPMD, so the load (and the
-  aux-loss-free bias update) counts every token of the global batch.
+  expert and multiplies the expert groups with the grouped matmul op `pallas_kernels.ops.ragged_dot` ("auto":
+  in tiles when the groups are large, the work of the routed rows rather than of every expert; XLA's
+  `lax.ragged_dot` when they are small). Both sum the k slots in the same order. One function,
+  `_local_experts`, runs the routed experts on one device and inside the expert-parallel `shard_map`.
+- Expert parallelism: traced under a mesh whose expert axis (the rules' `experts`, `csa2.mesh.rules_in_use`:
+  `expert` by default) has more than one device, the routed experts run in a `shard_map`: each device holds
+  `E / expert` experts (and `I / tensor` of their width, the rules' `mlp`) and the tokens of its row shard (the
+  rules' `batch`), which every device of the expert and width axes already holds whole (activations are split
+  over rows only). So dispatch needs no collective: a device multiplies the (token, slot) pairs routed to its
+  own experts (`lax.ragged_dot` over its local groups) and the combine is one `psum` over expert × width of
+  the per-token sums `[T, d]`. This is the all-gather formulation (tokens already gathered), chosen over a
+  ragged all-to-all because the batch is not split over the expert axis: an all-to-all would only pay when it
+  also split the tokens. The router, the load and the shared expert stay outside, partitioned by GSPMD, so the
+  load (and the aux-loss-free bias update) counts every token of the global batch.
 - Aux-loss-free balancing: `bias_update` moves the correction bias against the measured load, outside the
   optimizer; the bias is a `RouterBias` variable, so the optimizer excludes it by type.
 """
@@ -31,7 +32,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from csa2.config import ModelConfig
+from csa2.mesh import Rules, rules_in_use
 from csa2.params import linear, normal, zeros
+from pallas_kernels import ops
 
 Array = jax.Array
 
@@ -112,103 +115,60 @@ def _dense_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, exp
                       preferred_element_type=jnp.float32)
 
 
-def _tile_rows(pairs: int, experts: int) -> int:
-    """Rows per tile of the grouped matmul: a power of two near a quarter of the mean group size (1 … 128),
-    so padding each group to whole tiles wastes about an eighth of the rows and the per-tile weight gather
-    stays small next to the tile's matmul."""
-    mean_quarter = max(1, pairs // (4 * experts))
-    return min(128, 1 << (mean_quarter.bit_length() - 1))
-
-
-def _grouped_matmul(lhs: Array, w: Array, sizes: Array, dt) -> Array:
-    """`lhs [M, K]` (rows sorted by expert, `sizes [E]` rows per expert) times each row's expert `w [E, K, N]`.
-
-    Many rows (a mean group of ≥ 8): each group is padded to whole tiles of `_tile_rows` rows, every tile
-    belongs to one expert, and one batched matmul multiplies the tiles by their experts' weights, so the
-    work is M·K·N plus the padding. Few rows (decode): tiles of one row would gather a weight matrix per
-    row, so `lax.ragged_dot` runs instead (native on TPU; elsewhere XLA computes every group densely,
-    E× the flops of a small M, which costs less than the gathers). → `[M, N]` float32.
-    """
-    m_rows, e = lhs.shape[0], sizes.shape[0]
-    m = _tile_rows(m_rows, e)
-    if m == 1:
-        return jax.lax.ragged_dot(lhs.astype(dt), w.astype(dt), sizes, preferred_element_type=jnp.float32)
-    n_tiles = (m_rows + (m - 1) * min(e, m_rows)) // m  # Σ ceil(size/m) over the non-empty groups, at most
-    tiles = (sizes + m - 1) // m
-    tile_end = jnp.cumsum(tiles)
-    group = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=m_rows)  # each sorted row's expert
-    start = jnp.cumsum(sizes) - sizes
-    dest = (tile_end - tiles)[group] * m + jnp.arange(m_rows) - start[group]  # row in the padded layout
-    padded = jnp.zeros((n_tiles * m, lhs.shape[1]), lhs.dtype).at[dest].set(lhs, unique_indices=True)
-    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), e - 1)
-    out = jnp.einsum("tmk,tkn->tmn", padded.reshape(n_tiles, m, -1).astype(dt), w[tile_expert].astype(dt),
-                     preferred_element_type=jnp.float32)
-    return out.reshape(n_tiles * m, -1)[dest]
-
-
-def _ragged_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, experts: Array) -> Array:
-    """Grouped dispatch: sort the T·k pairs by expert, one tiled grouped matmul per weight, unsort.
-    → `[T, k, d]` float32."""
-    t, k = experts.shape
-    dt = cfg.dtype
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # pair p = token p // k, slot p % k
-    sizes = jnp.bincount(flat, length=cfg.n_routed_experts).astype(jnp.int32)
-    xs = x[order // k].astype(dt)  # [T·k, d], grouped by expert
+def _local_experts(cfg: ModelConfig, x: Array, weights: Array, experts: Array, w1: Array, w3: Array, w2: Array,
+                   first: Array | int, impl: str) -> Array:
+    """The routed experts `first … first + E_local − 1` (the `E_local` of `w1, w3, w2`) on the (token, slot) pairs
+    routed to them: sort those pairs by expert, one grouped matmul per weight (`ops.ragged_dot` with `impl`),
+    unsort, sum each token's k slots. Pairs routed to other experts (another device's) sort last, in no group,
+    and add 0. `x [T, d]`, `weights`, `experts [T, k]` → `[T, d]` float32."""
+    e_local, (k, dt) = w1.shape[0], (experts.shape[1], cfg.dtype)
+    slot = (experts - first).reshape(-1)  # the pair's local expert
+    mine = (slot >= 0) & (slot < e_local)
+    slot = jnp.where(mine, slot, e_local)  # other experts' pairs: one group past the local ones
+    order = jnp.argsort(slot, stable=True)  # pair p = token p // k, slot p % k
+    sizes = jnp.bincount(slot, length=e_local + 1)[:e_local].astype(jnp.int32)
 
     def grouped(lhs: Array, w: Array) -> Array:
-        return _grouped_matmul(lhs, w, sizes, dt)
+        return ops.ragged_dot(lhs.astype(dt), w.astype(dt), sizes, impl=impl)
 
-    h = _swiglu(grouped(xs, params["w1"]), grouped(xs, params["w3"]), cfg.swiglu_limit)
-    h = h * weights.reshape(-1)[order][:, None]
-    out = grouped(h.astype(dt), params["w2"])  # [T·k, d]
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
-    return out[inverse].reshape(t, k, -1)
+    xs = x[order // k]  # [T·k, d], grouped by expert
+    h = _swiglu(grouped(xs, w1), grouped(xs, w3), cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
+    out = jnp.where(mine[order][:, None], grouped(h, w2), 0.0)  # [T·k, d]
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return jnp.sum(out[inverse].reshape(-1, k, out.shape[-1]), axis=1)
 
 
-def _expert_mesh() -> jax.sharding.AbstractMesh | None:
-    """The mesh being traced under, when its `expert` axis splits the routed experts; else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh if mesh.shape.get("expert", 1) > 1 else None
+def _expert_axes(rules: Rules, mesh: jax.sharding.AbstractMesh, x: Array, cfg: ModelConfig):
+    """The mesh axes of the routed experts, their width and the tokens (from the rules: `experts`, `mlp`,
+    `batch`), each None where it does not split; None for all when the experts do not split."""
+    experts, width, batch = (rules.get(name) for name in ("experts", "mlp", "batch"))
+    if experts is None or mesh.shape.get(experts, 1) == 1:
+        return None
+    if cfg.n_routed_experts % mesh.shape[experts]:
+        raise ValueError(f"n_routed_experts={cfg.n_routed_experts} does not split over mesh axis {experts!r} of "
+                         f"size {mesh.shape[experts]}; use an expert axis that divides {cfg.n_routed_experts}")
+    splits = lambda axis, n: axis if axis is not None and mesh.shape.get(axis, 1) > 1 and n % mesh.shape[axis] == 0 \
+        else None
+    return experts, splits(width, cfg.moe_intermediate_size), splits(batch, x.shape[0])
 
 
 def _expert_parallel(cfg: ModelConfig, params: dict, x: Array, weights: Array, experts: Array,
-                     mesh: jax.sharding.AbstractMesh) -> Array:
-    """The routed experts' sum `[T, d]` float32 with the experts split over `mesh`'s `expert` axis (the module
-    docstring says how). Each device keeps the pairs routed to its experts, sorts them by local expert and
-    multiplies its groups; pairs of other devices' experts come last and contribute zero."""
-    e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
-    if e % mesh.shape["expert"]:
-        raise ValueError(f"n_routed_experts={e} does not split over mesh axis 'expert' of size "
-                         f"{mesh.shape['expert']}; use an expert axis that divides {e}")
-    tensor = "tensor" if i % mesh.shape.get("tensor", 1) == 0 and mesh.shape.get("tensor", 1) > 1 else None
-    rows = "data" if x.shape[0] % mesh.shape.get("data", 1) == 0 and mesh.shape.get("data", 1) > 1 else None
-    k, dt = experts.shape[1], cfg.dtype
+                     mesh: jax.sharding.AbstractMesh, axes: tuple) -> Array:
+    """The routed experts' sum `[T, d]` float32 with the experts split over `mesh` (the module docstring says
+    how): each device runs `_local_experts` on its own experts, one psum combines."""
+    expert, width, rows = axes
 
     def local(x, weights, experts, w1, w3, w2):
-        # Varying over `expert` from the start: left to the implicit cast at the gathers below, JAX 0.10.2
+        # Varying over the expert axis from the start: left to the implicit cast at the gathers, JAX 0.10.2
         # transposes the gather of `weights` into a scatter that puts each row's gradient in the wrong row.
-        x, weights = jax.lax.pcast((x, weights), "expert", to="varying")
-        e_local = w1.shape[0]
-        slot = (experts - jax.lax.axis_index("expert") * e_local).reshape(-1)  # the pair's local expert
-        mine = (slot >= 0) & (slot < e_local)
-        slot = jnp.where(mine, slot, e_local)  # other devices' pairs: one group past the local ones
-        order = jnp.argsort(slot, stable=True)
-        sizes = jnp.bincount(slot, length=e_local + 1)[:e_local].astype(jnp.int32)
-
-        def grouped(lhs: Array, w: Array) -> Array:
-            return jax.lax.ragged_dot(lhs.astype(dt), w.astype(dt), sizes, preferred_element_type=jnp.float32)
-
-        xs = x[order // k]
-        h = _swiglu(grouped(xs, w1), grouped(xs, w3), cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
-        out = jnp.where(mine[order][:, None], grouped(h, w2), 0.0)  # [T·k, d], partial over `tensor`
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        y = jnp.sum(out[inverse].reshape(-1, k, out.shape[-1]), axis=1)
-        return jax.lax.psum(y, ("expert",) if tensor is None else ("expert", tensor))
+        x, weights = jax.lax.pcast((x, weights), expert, to="varying")
+        first = jax.lax.axis_index(expert) * w1.shape[0]
+        y = _local_experts(cfg, x, weights, experts, w1, w3, w2, first, impl="xla")  # partial over `width`
+        return jax.lax.psum(y, (expert,) if width is None else (expert, width))
 
     return jax.shard_map(local, mesh=mesh,
-                         in_specs=(P(rows), P(rows), P(rows), P("expert", None, tensor), P("expert", None, tensor),
-                                   P("expert", tensor, None)),
+                         in_specs=(P(rows), P(rows), P(rows), P(expert, None, width), P(expert, None, width),
+                                   P(expert, width, None)),
                          out_specs=P(rows))(x, weights, experts, params["w1"], params["w3"], params["w2"])
 
 
@@ -220,12 +180,14 @@ def moe(cfg: ModelConfig, params: dict, x: Array, *, image_mask: Array | None = 
         raise ValueError(f"dispatch={dispatch!r}: use one of {_DISPATCH}")
     weights, experts, _ = route(cfg, params, x, image_mask)
     flat = x.reshape(-1, cfg.hidden_size)
-    mesh = _expert_mesh() if dispatch == "ragged" else None
-    if mesh is not None:
-        y = _expert_parallel(cfg, params, flat, weights, experts, mesh)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = _expert_axes(rules_in_use(), mesh, flat, cfg) if dispatch == "ragged" else None
+    if axes is not None:
+        y = _expert_parallel(cfg, params, flat, weights, experts, mesh, axes)
+    elif dispatch == "ragged":
+        y = _local_experts(cfg, flat, weights, experts, params["w1"], params["w3"], params["w2"], 0, impl="auto")
     else:
-        routed = (_dense_experts if dispatch == "dense" else _ragged_experts)(cfg, params, flat, weights, experts)
-        y = jnp.sum(routed, axis=1)  # [T, d]
+        y = jnp.sum(_dense_experts(cfg, params, flat, weights, experts), axis=1)  # [T, d]
     if cfg.n_shared_experts:
         sp = params["shared"]
         h = _swiglu(linear(flat, sp["w1"], cfg.dtype), linear(flat, sp["w3"], cfg.dtype), cfg.swiglu_limit)

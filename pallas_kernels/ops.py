@@ -8,6 +8,10 @@
   (`_reference_gradient`: the index loss and Reindex train through it), so a model running the kernels trains.
 - `"auto"`: the reference on CPU (the interpreter is for tests, not speed), the kernels elsewhere.
 
+The MoE's grouped matmul, `ragged_dot`, has its own implementations: `"xla"` (`lax.ragged_dot`, the reference)
+and `"tiled"` (`grouped.py`, the routed rows' work in plain XLA); `"auto"` picks by shape (`ragged_dot_impl`).
+A Pallas grouped matmul would be one more entry of its row.
+
 Every op takes plain arrays and `Stored` buffers and returns float32.
 """
 
@@ -17,6 +21,7 @@ from typing import Callable
 
 import jax
 
+from pallas_kernels import grouped
 from pallas_kernels import indexer as _indexer
 from pallas_kernels import reference
 from pallas_kernels import sparse_attention as _sparse
@@ -52,6 +57,7 @@ BACKENDS: dict[str, dict[str, Callable]] = {
                                 "pallas": _reference_gradient(_indexer.indexer_scores_gathered,
                                                               reference.indexer_scores_gathered)},
     "block_max": {"xla": reference.block_max, "pallas": _indexer.block_max},
+    "ragged_dot": {"xla": reference.ragged_dot, "tiled": grouped.ragged_dot},
 }
 
 
@@ -92,3 +98,22 @@ def block_max(scores: Array, block: int, *, impl: str = "xla") -> Array:
     A routing statistic: it only chooses which blocks enter the candidate pool, so no gradient flows through it.
     """
     return _backend("block_max", impl)(jax.lax.stop_gradient(scores), block)
+
+
+def ragged_dot_impl(rows: int, groups: int) -> str:
+    """The `ragged_dot` implementation `"auto"` runs for `rows` rows in `groups` groups: `"tiled"` when a tile
+    holds more than one row (a mean group of ≥ 8 rows), else `"xla"` (decode: one matrix gather per row would
+    cost more than XLA's dense groups)."""
+    return "tiled" if grouped.tile_rows(rows, groups) > 1 else "xla"
+
+
+def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array, *, impl: str = "auto") -> Array:
+    """The grouped matmul of the MoE (SPEC §9): `lhs [M, K]` rows sorted by group, `group_sizes [G]` int32 rows
+    per group, `rhs [G, K, N]` → `[M, N]` float32 (each row times its group's matrix; rows past the sum → 0).
+    `impl`: "xla", "tiled" or "auto" (`ragged_dot_impl`)."""
+    impls = BACKENDS["ragged_dot"]
+    if impl == "auto":
+        impl = ragged_dot_impl(lhs.shape[0], group_sizes.shape[0])
+    if impl not in impls:
+        raise ValueError(f"ragged_dot: impl={impl!r}; use one of {(*impls, 'auto')}")
+    return impls[impl](lhs, rhs, group_sizes)

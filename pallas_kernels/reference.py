@@ -100,6 +100,13 @@ def indexer_scores_gathered(q: Array, w: Array, ikey: Stored, ids: Array, visibl
     return jnp.where(valid & (ids < visible[..., None]), weighted_relu(dots, w), -jnp.inf)
 
 
+def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+    """The MoE's grouped matmul (SPEC §9): `lhs [M, K]` (rows sorted by group, `group_sizes [G]` rows per group)
+    times each row's `rhs [G, K, N]`; rows past `Σ group_sizes` → 0; float32 accumulation → `[M, N]` float32.
+    XLA's `lax.ragged_dot`: native on TPU; elsewhere XLA computes every group densely (G× the flops)."""
+    return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames="block")
 def block_max(scores: Array, block: int) -> Array:
     """Max of each run of `block` entries: scores [B, S, N] → [B, S, ceil(N / block)] (tail padded with −inf)."""
