@@ -38,6 +38,16 @@ def resolve_target(interpret: bool | None, kernel: str) -> str:
         f"Use impl='xla' here, or interpret=True to run it in the Pallas interpreter.")
 
 
+def pick_target(interpret: bool | None, target: str | None, kernel: str) -> str:
+    """The lowering a kernel runs: `target` when named (one of `TARGETS`: e.g. "tpu_interpret" runs the TPU form
+    under the interpreter on CPU), else `resolve_target(interpret, kernel)`."""
+    if target is None:
+        return resolve_target(interpret, kernel)
+    if target not in TARGETS:
+        raise ValueError(f"pallas_kernels.{kernel}: target={target!r}; use one of {TARGETS} or None (the platform's)")
+    return target
+
+
 def mosaic(target: str) -> bool:
     """Mosaic's block rule holds (compiled for TPU or interpreted with TPU semantics): each block's last two
     dims are multiples of (8, 128) or the whole array dim."""

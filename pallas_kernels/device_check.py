@@ -78,7 +78,7 @@ def sparse_attention_grad(q, sink, main: Stored, main_idx, window: Stored, windo
     return jnp.concatenate([g.ravel() for g in grads])
 
 
-def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, bool]:
+def compare(got: np.ndarray, want: np.ndarray) -> tuple[float, bool]:
     """(largest relative difference where both are finite, whether the non-finite pattern is the same)."""
     finite = np.isfinite(want) & np.isfinite(got)
     same = bool(np.array_equal(np.isfinite(got), np.isfinite(want)) and np.array_equal(got[~finite], want[~finite]))
@@ -92,7 +92,7 @@ def parity(dry_run: bool) -> list[dict]:
     for op, case, args in _cases(dry_run):
         fn = sparse_attention_grad if op == "sparse_attention_grad" else getattr(ops, op)
         got, want = (np.asarray(fn(*args, impl=impl)) for impl in ("pallas", "xla"))
-        err, same = _compare(got, want)
+        err, same = compare(got, want)
         lines.append({"check": "parity", **bench.machine(), "op": op, "case": case, "shape": list(want.shape),
                       "max_rel_err": err, "same_masks": same, "ok": same and err <= TOL})
     return lines

@@ -94,15 +94,16 @@ def _indexer_scores(q, w, ikey: Stored, visible, *, target, block_s, block_n, nu
     return out[:, :s, :n]
 
 
-def indexer_scores(q, w, ikey: Stored, visible, *, interpret: bool | None = None, block_s: int = 8,
-                   block_n: int = 256, num_warps: int = 4) -> Array:
+def indexer_scores(q, w, ikey: Stored, visible, *, interpret: bool | None = None, target: str | None = None,
+                   block_s: int = 8, block_n: int = 256, num_warps: int = 4) -> Array:
     """Pallas version of `reference.indexer_scores`: [B, S, N] float32, −inf where n ≥ visible[b, s].
 
-    block_s query rows × block_n keys per program (powers of two). On GPU keep block_s · Hi ≥ 16.
+    block_s query rows × block_n keys per program (powers of two). On GPU keep block_s · Hi ≥ 16. target: the
+    lowering by name (`_common.TARGETS`; None: the platform's, or the interpreter with `interpret=True`).
     """
     _common.check_indexer(q, w, ikey, visible)
     _check_pow2(block_s=block_s, block_n=block_n)
-    return _indexer_scores(q, w, ikey, visible, target=_common.resolve_target(interpret, "indexer_scores"),
+    return _indexer_scores(q, w, ikey, visible, target=_common.pick_target(interpret, target, "indexer_scores"),
                            block_s=block_s, block_n=block_n, num_warps=num_warps)
 
 
@@ -192,12 +193,13 @@ def _gathered_tpu_call(q, w, keys, ids, visible, *, target, bp):
 
 
 def indexer_scores_gathered(q, w, ikey: Stored, ids, visible, *, interpret: bool | None = None,
-                            block_p: int = 256, num_warps: int = 4) -> Array:
-    """Pallas version of `reference.indexer_scores_gathered`: [B, S, P] float32, −inf where id < 0 or id ≥ visible."""
+                            target: str | None = None, block_p: int = 256, num_warps: int = 4) -> Array:
+    """Pallas version of `reference.indexer_scores_gathered`: [B, S, P] float32, −inf where id < 0 or id ≥ visible.
+    target: the lowering by name (`_common.TARGETS`), as in `indexer_scores`."""
     _common.check_indexer(q, w, ikey, visible, ids)
     _check_pow2(block_p=block_p)
     return _indexer_scores_gathered(q, w, ikey, ids, visible,
-                                    target=_common.resolve_target(interpret, "indexer_scores_gathered"),
+                                    target=_common.pick_target(interpret, target, "indexer_scores_gathered"),
                                     block_p=block_p, num_warps=num_warps)
 
 
@@ -228,12 +230,13 @@ def _block_max(scores, *, block, target, block_s, block_b, num_warps):
     return out[:, :s, :blocks]
 
 
-def block_max(scores, block: int, *, interpret: bool | None = None, block_s: int = 8, block_b: int = 128,
-              num_warps: int = 4) -> Array:
-    """Pallas version of `reference.block_max`: scores [B, S, N] → [B, S, ceil(N / block)] (block a power of two)."""
+def block_max(scores, block: int, *, interpret: bool | None = None, target: str | None = None, block_s: int = 8,
+              block_b: int = 128, num_warps: int = 4) -> Array:
+    """Pallas version of `reference.block_max`: scores [B, S, N] → [B, S, ceil(N / block)] (block a power of two).
+    target: the lowering by name (`_common.TARGETS`), as in `indexer_scores`."""
     _common.check_block_max(scores, block)
     _check_pow2(block=block, block_s=block_s, block_b=block_b)
-    return _block_max(scores, block=block, target=_common.resolve_target(interpret, "block_max"),
+    return _block_max(scores, block=block, target=_common.pick_target(interpret, target, "block_max"),
                       block_s=block_s, block_b=block_b, num_warps=num_warps)
 
 

@@ -153,7 +153,7 @@ def _head_block(target: str, h: int, block_h: int | None) -> int:
 _TRITON_SMEM_BYTES = 160 * 1024
 
 
-def _entry_block(target: str, n: int, block: int, splits: int, d: int, head_rows: int) -> int:
+def entry_block(target: str, n: int, block: int, splits: int, d: int, head_rows: int) -> int:
     """Entries per online-softmax step (and per DMA block): a power of two, no larger than one split's share of
     `n` entries, at least the target's smallest block. On GPU also small enough for shared memory: the
     `head_rows` float32 [block_h, D] operands plus the decoded block [E, D] twice (the dots' K and V operands;
@@ -272,7 +272,7 @@ def _sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_id
             num_splits = max(1, min(-(-k // min(block_k, _common.next_pow2(k))), 128 // (b * s * (hp // bh))))
         else:
             num_splits = 1
-    kb, wb = (_entry_block(target, n, blk, num_splits, d, bh) for n, blk in ((k, block_k), (w, block_w)))
+    kb, wb = (entry_block(target, n, blk, num_splits, d, bh) for n, blk in ((k, block_k), (w, block_w)))
     main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, num_splits * kb), NO_ENTRY)
     window_idx = _common.pad_axis(window_idx, 2, _common.round_up(w, num_splits * wb), NO_ENTRY)
     q = _common.pad_axis(q, 2, hp, 0)
@@ -444,7 +444,7 @@ def _sparse_attention_bwd(q, sink, main: Stored, main_idx, window: Stored, windo
     k, w = main_idx.shape[-1], win_idx.shape[-1]
     bh = _head_block(target, h, block_h)
     hp = _common.round_up(h, bh)
-    kb, wb = (_entry_block(target, n, blk, 1, d, 2 * bh) for n, blk in ((k, block_k), (w, block_w)))  # q, dO
+    kb, wb = (entry_block(target, n, blk, 1, d, 2 * bh) for n, blk in ((k, block_k), (w, block_w)))  # q, dO
     main_idx = _common.pad_axis(main_idx, 2, _common.round_up(k, kb), NO_ENTRY)
     win_idx = _common.pad_axis(win_idx, 2, _common.round_up(w, wb), NO_ENTRY)
     do = do.astype(jnp.float32)
@@ -504,10 +504,14 @@ _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
 def sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx, *,
-                     interpret: bool | None = None, block_h: int | None = None, block_k: int = 64,
-                     block_w: int = 64, num_splits: int | None = None, num_warps: int = 4) -> Array:
-    """Pallas version of `reference.sparse_attention` (see `ops.sparse_attention` for shapes).
+                     interpret: bool | None = None, target: str | None = None, block_h: int | None = None,
+                     block_k: int = 64, block_w: int = 64, num_splits: int | None = None,
+                     num_warps: int = 4) -> Array:
+    """Pallas version of `reference.sparse_attention` (see `ops.sparse_attention` for shapes), with its custom
+    backward kernel.
 
+    target: the lowering by name (`_common.TARGETS`; None: the platform's, or the interpreter with
+    `interpret=True`);
     block_h: heads per program (default: all heads in the interpreter, 16 on GPU; TPU takes all heads);
     block_k / block_w: main / window entries per online-softmax step and per DMA block (powers of two);
     num_splits: entry splits per row (default 1 in the interpreter; on GPU enough for ~128 programs; on TPU
@@ -517,6 +521,6 @@ def sparse_attention(q, sink, main: Stored, main_idx, window: Stored, window_idx
     for name, v in (("block_k", block_k), ("block_w", block_w), ("block_h", block_h or 1)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name}={v}: must be a power of two (Triton block shapes)")
-    opts = (("target", _common.resolve_target(interpret, "sparse_attention")), ("block_h", block_h),
+    opts = (("target", _common.pick_target(interpret, target, "sparse_attention")), ("block_h", block_h),
             ("block_k", block_k), ("block_w", block_w), ("num_splits", num_splits), ("num_warps", num_warps))
     return _differentiable(q, sink, main, main_idx, window, window_idx, opts)

@@ -225,3 +225,9 @@ def indexer_case(seed, *, b, s, hi, di, n, pool, packed=True):
     ids = rng.integers(0, n, (b, s, pool))
     ids[rng.random((b, s, pool)) < 0.25] = -1
     return q, w, ikey, jnp.asarray(ids, jnp.int32), visible
+
+
+def traced(kernel, *args, **options):
+    """`kernel` (a public Pallas op of `pallas_kernels`, with its `target=` and tuning options) traced for
+    `args` (`jax.ShapeDtypeStruct`s): `.lower(lowering_platforms=...)` checks a lowering without the device."""
+    return jax.jit(functools.partial(kernel, **options)).trace(*args)

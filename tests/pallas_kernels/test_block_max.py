@@ -8,6 +8,7 @@ import pytest
 
 from pallas_kernels import indexer as pk_indexer
 from pallas_kernels import ops, reference
+from tests.pallas_kernels.cases import traced
 
 OP = "block_max"
 
@@ -80,7 +81,7 @@ def test_bad_arguments_raise():
 def test_kernel_lowers_through_triton():
     """Pallas → Triton IR at real V4.1 dims, lowered for CUDA on this CPU host (no PTX compile)."""
     sd = jax.ShapeDtypeStruct
-    t = pk_indexer._block_max.trace(sd((1, 1, 1024), jnp.float32), block=8, target="triton", block_s=8, block_b=128,
+    t = traced(pk_indexer.block_max, sd((1, 1, 1024), jnp.float32), block=8, target="triton", block_s=8, block_b=128,
                                     num_warps=4)
     assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
 
@@ -92,14 +93,13 @@ def test_kernel_lowers_through_triton():
 def test_tpu_interpreter_matches_oracle(shape, block, block_s, block_b):
     """Under TPU semantics on CPU (`pltpu.InterpretParams`): odd sizes, more blocks than one program's 128."""
     scores = _scores(19, shape)
-    got = pk_indexer._block_max(scores, block=block, target="tpu_interpret", block_s=block_s, block_b=block_b,
-                                num_warps=4)
+    got = pk_indexer.block_max(scores, block, target="tpu_interpret", block_s=block_s, block_b=block_b)
     np.testing.assert_array_equal(got, _oracle(scores, block))
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1024), (2, 3, 37), (1, 8, 65536)])
 def test_kernel_lowers_through_mosaic(shape):
     """Pallas → Mosaic, lowered for TPU on this CPU host (no TPU compile)."""
-    t = pk_indexer._block_max.trace(jax.ShapeDtypeStruct(shape, jnp.float32), block=8, target="mosaic", block_s=8,
+    t = traced(pk_indexer.block_max, jax.ShapeDtypeStruct(shape, jnp.float32), block=8, target="mosaic", block_s=8,
                                     block_b=128, num_warps=4)
     assert "tpu_custom_call" in t.lower(lowering_platforms=("tpu",)).as_text()

@@ -22,10 +22,10 @@ def test_dry_run_checks_every_op_and_runs_the_bench(capsys):
 
 def test_a_wrong_value_or_mask_fails_the_comparison():
     want = np.array([1.0, -np.inf, 0.0], np.float32)
-    assert device_check._compare(want.copy(), want) == (0.0, True)
-    err, same = device_check._compare(np.array([1.1, -np.inf, 0.0], np.float32), want)
+    assert device_check.compare(want.copy(), want) == (0.0, True)
+    err, same = device_check.compare(np.array([1.1, -np.inf, 0.0], np.float32), want)
     assert err > device_check.TOL and same
-    assert not device_check._compare(np.array([1.0, 0.0, 0.0], np.float32), want)[1]
+    assert not device_check.compare(np.array([1.0, 0.0, 0.0], np.float32), want)[1]
 
 
 def test_without_an_accelerator_it_asks_for_dry_run(capsys):

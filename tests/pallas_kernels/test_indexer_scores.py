@@ -12,7 +12,7 @@ from pallas_kernels import ops, reference
 from pallas_kernels.formats import INDEX, MAIN
 from pallas_kernels.stored import Stored
 from tests.pallas_kernels.cases import (
-    TOL, check_score_grads, check_scores, indexer_case, np_entries, np_index_scores, same_topk,
+    TOL, check_score_grads, check_scores, indexer_case, np_entries, np_index_scores, same_topk, traced,
 )
 
 OP = "indexer_scores"
@@ -112,7 +112,7 @@ def test_kernel_lowers_through_triton():
     sd = jax.ShapeDtypeStruct
     b, s, n = 1, 1, 1024
     ikey = Stored(sd((b, n, 64), jnp.uint8), sd((b, n, 4), jnp.float8_e8m0fnu), INDEX)
-    t = pk_indexer._indexer_scores.trace(sd((b, s, 32, 128), jnp.float32), sd((b, s, 32), jnp.float32), ikey,
+    t = traced(pk_indexer.indexer_scores, sd((b, s, 32, 128), jnp.float32), sd((b, s, 32), jnp.float32), ikey,
                                          sd((b, s), jnp.int32), target="triton", block_s=8, block_n=128, num_warps=4)
     assert "__gpu$xla.gpu.triton" in t.lower(lowering_platforms=("cuda",)).as_text()
 
@@ -127,8 +127,7 @@ def test_tpu_interpreter_matches_reference(packed, s, n, block_s, block_n):
     q, w, ikey, _, visible = indexer_case(31, b=2, s=s, hi=4, di=64, n=n, pool=8, packed=packed)
     visible = visible.at[0, 0].set(0)
     want, seen = _oracle(q, w, ikey, visible)
-    got = pk_indexer._indexer_scores(q, w, ikey, visible, target="tpu_interpret", block_s=block_s, block_n=block_n,
-                                     num_warps=4)
+    got = pk_indexer.indexer_scores(q, w, ikey, visible, target="tpu_interpret", block_s=block_s, block_n=block_n)
     check_scores(got, want, seen)
     np.testing.assert_allclose(got, reference.indexer_scores(q, w, ikey, visible), **TOL)
 
@@ -138,6 +137,6 @@ def test_kernel_lowers_through_mosaic(s, n):
     """Pallas → Mosaic at V4.1 dims (32 heads × 128), lowered for TPU on this CPU host (no TPU compile)."""
     sd = jax.ShapeDtypeStruct
     ikey = Stored(sd((1, n, 64), jnp.uint8), sd((1, n, 4), jnp.float8_e8m0fnu), INDEX)
-    t = pk_indexer._indexer_scores.trace(sd((1, s, 32, 128), jnp.float32), sd((1, s, 32), jnp.float32), ikey,
+    t = traced(pk_indexer.indexer_scores, sd((1, s, 32, 128), jnp.float32), sd((1, s, 32), jnp.float32), ikey,
                                          sd((1, s), jnp.int32), target="mosaic", block_s=8, block_n=512, num_warps=4)
     assert "tpu_custom_call" in t.lower(lowering_platforms=("tpu",)).as_text()

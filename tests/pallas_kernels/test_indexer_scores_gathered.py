@@ -13,7 +13,7 @@ from pallas_kernels import ops, reference
 from pallas_kernels.formats import INDEX
 from pallas_kernels.stored import Stored
 from tests.pallas_kernels.cases import (
-    TOL, check_score_grads, check_scores, indexer_case, np_entries, np_gather, np_index_scores, same_topk,
+    TOL, check_score_grads, check_scores, indexer_case, np_entries, np_gather, np_index_scores, same_topk, traced,
 )
 
 OP = "indexer_scores_gathered"
@@ -75,8 +75,7 @@ def test_indexer_scores_gathered_random_shapes(seed):
 def test_tpu_form_matches_oracle(packed, block_p):
     q, w, ikey, ids, visible = indexer_case(16, b=2, s=3, hi=4, di=64, n=30, pool=21, packed=packed)
     ids = ids.at[0, 1].set(-1).at[1, 0, 3].set(40).at[1, 2, 0].set(2 ** 30)  # all-invalid row; ids ≥ N
-    got = pk_indexer._indexer_scores_gathered(q, w, ikey, ids, visible, target="tpu_interpret", block_p=block_p,
-                                              num_warps=4)
+    got = pk_indexer.indexer_scores_gathered(q, w, ikey, ids, visible, target="tpu_interpret", block_p=block_p)
     check_scores(got, *_oracle(q, w, ikey, ids, visible))
     np.testing.assert_array_equal(got, reference.indexer_scores_gathered(q, w, ikey, ids, visible))
 
@@ -119,7 +118,7 @@ def test_kernel_lowers(target, platform, shape, block_p):
     sd = jax.ShapeDtypeStruct
     b, s, hi, n = shape["b"], shape["s"], shape["hi"], 4096
     ikey = Stored(sd((b, n, 64), jnp.uint8), sd((b, n, 4), jnp.float8_e8m0fnu), INDEX)
-    t = pk_indexer._indexer_scores_gathered.trace(sd((b, s, hi, 128), jnp.float32), sd((b, s, hi), jnp.float32),
+    t = traced(pk_indexer.indexer_scores_gathered, sd((b, s, hi, 128), jnp.float32), sd((b, s, hi), jnp.float32),
                                                   ikey, sd((b, s, shape["pool"]), jnp.int32), sd((b, s), jnp.int32),
                                                   target=target, block_p=block_p, num_warps=4)
     text = t.lower(lowering_platforms=(platform,)).as_text()

@@ -13,7 +13,7 @@ from pallas_kernels import sparse_attention as pk_sparse
 from pallas_kernels.formats import MAIN, WINDOW
 from pallas_kernels.stored import Stored
 from tests.pallas_kernels.cases import (ATTENTION_CASES, TOL, attention_case, empty_rows, np_entries, np_gather,
-                                        np_sink_attention, np_sparse_attention)
+                                        np_sink_attention, np_sparse_attention, traced)
 
 OP = "sparse_attention"
 
@@ -142,8 +142,8 @@ def test_sparse_attention_random_shapes(seed):
 # --- the TPU form: SMEM ids, row DMAs, double-buffered VMEM (TPU interpreter on CPU; Mosaic lowering) -----
 
 def _tpu(args, block_k=8, block_w=8, num_splits=None):
-    return np.asarray(pk_sparse._sparse_attention(*args, target="tpu_interpret", block_h=None, block_k=block_k,
-                                                  block_w=block_w, num_splits=num_splits, num_warps=4))
+    return np.asarray(pk_sparse.sparse_attention(*args, target="tpu_interpret", block_h=None, block_k=block_k,
+                                                 block_w=block_w, num_splits=num_splits, num_warps=4))
 
 
 @pytest.mark.parametrize("case,kwargs", [
@@ -195,7 +195,7 @@ def test_tpu_form_lowers_through_mosaic(s, k, packed_main, num_splits):
     main = (Stored(sd((b, n, d // 2), jnp.uint8), sd((b, n, d // 16), jnp.float8_e4m3fn), MAIN) if packed_main
             else Stored(sd((b, n, d), jnp.float32), None, MAIN))
     window = Stored(sd((b, m, d), jnp.float8_e4m3fn), sd((b, m, d // 32), jnp.float8_e8m0fnu), WINDOW)
-    t = pk_sparse._sparse_attention.trace(sd((b, s, h, d), jnp.float32), sd((h,), jnp.float32), main,
+    t = traced(pk_sparse.sparse_attention, sd((b, s, h, d), jnp.float32), sd((h,), jnp.float32), main,
                                           sd((b, s, k), jnp.int32), window, sd((b, s, 128), jnp.int32),
                                           target="mosaic", block_h=None, block_k=128, block_w=128,
                                           num_splits=num_splits, num_warps=4)
@@ -239,11 +239,10 @@ def test_tpu_backward_kernel_is_the_reference_gradient():
     for case, packed in (("chunk", dict(packed_main=False, packed_win=False)),
                          ("decode", dict(packed_main=True, packed_win=False))):
         args, _ = attention_case(6, **ATTENTION_CASES[case], **packed)
-        opts = (("target", "tpu_interpret"), ("block_h", None), ("block_k", 8), ("block_w", 8), ("num_splits", None),
-                ("num_warps", 4))
         r = jnp.asarray(np.random.default_rng(7).standard_normal(args[0].shape), jnp.float32)
         want = _grads(reference.sparse_attention, args, r)
-        got = _grads(lambda *a: pk_sparse._differentiable(*a, opts), args, r)
+        got = _grads(functools.partial(pk_sparse.sparse_attention, target="tpu_interpret", block_k=8, block_w=8),
+                     args, r)
         for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
             if w.dtype != jax.dtypes.float0:
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=case)
@@ -256,10 +255,13 @@ def test_backward_kernel_lowers(target, platform, marker):
     sd = jax.ShapeDtypeStruct
     b, s, h, d, n, m, k, win = 1, 4, 64, 512, 1024, 136, 512, 128
     f = sd((b, s, h, d), jnp.float32)
-    t = pk_sparse._sparse_attention_bwd.trace(f, sd((h,), jnp.float32), Stored(sd((b, n, d), jnp.float32), None, MAIN),
-                                              sd((b, s, k), jnp.int32), Stored(sd((b, m, d), jnp.float32), None, WINDOW),
-                                              sd((b, s, win), jnp.int32), f, sd((b, s, h, 1), jnp.float32), f,
-                                              target=target, block_h=16, block_k=32, block_w=32, num_warps=4)
+    def loss(q, *rest):  # the backward kernel runs in the gradient of the op
+        out = pk_sparse.sparse_attention(q, *rest, target=target, block_h=16, block_k=32, block_w=32, num_warps=4)
+        return jnp.sum(out * out)
+
+    t = jax.jit(jax.grad(loss)).trace(f, sd((h,), jnp.float32), Stored(sd((b, n, d), jnp.float32), None, MAIN),
+                                      sd((b, s, k), jnp.int32), Stored(sd((b, m, d), jnp.float32), None, WINDOW),
+                                      sd((b, s, win), jnp.int32))
     assert marker in t.lower(lowering_platforms=(platform,)).as_text()
 
 
@@ -291,7 +293,7 @@ def test_kernel_lowers_through_triton():
     b, s, h, d, n, m, k, win = 1, 1, 64, 512, 1024, 136, 512, 128
     main = Stored(sd((b, n, d // 2), jnp.uint8), sd((b, n, d // 16), jnp.float8_e4m3fn), MAIN)
     window = Stored(sd((b, m, d), jnp.float8_e4m3fn), sd((b, m, d // 32), jnp.float8_e8m0fnu), WINDOW)
-    t = pk_sparse._sparse_attention.trace(sd((b, s, h, d), jnp.float32), sd((h,), jnp.float32), main,
+    t = traced(pk_sparse.sparse_attention, sd((b, s, h, d), jnp.float32), sd((h,), jnp.float32), main,
                                           sd((b, s, k), jnp.int32), window, sd((b, s, win), jnp.int32),
                                           target="triton", block_h=16, block_k=64, block_w=32, num_splits=4,
                                           num_warps=4)
@@ -302,10 +304,10 @@ def test_triton_entry_blocks_fit_shared_memory():
     """On an H200 the default block of 64 entries at D = 512 asked Triton for 288 KiB of shared memory (refused:
     227 KiB). The GPU block now keeps the float32 head rows and the decoded block (twice) under 160 KiB, so it
     also fits an A100; other targets keep the block asked for."""
-    assert pk_sparse._entry_block("triton", 512, 64, 1, 512, 16) == 32  # forward: q rows
-    assert pk_sparse._entry_block("triton", 512, 64, 1, 512, 32) == 16  # backward: q and dO rows
-    assert pk_sparse._entry_block("triton", 512, 64, 1, 128, 16) == 64  # a narrower latent keeps its block
-    assert pk_sparse._entry_block("interpret", 512, 64, 1, 512, 64) == 64
+    assert pk_sparse.entry_block("triton", 512, 64, 1, 512, 16) == 32  # forward: q rows
+    assert pk_sparse.entry_block("triton", 512, 64, 1, 512, 32) == 16  # backward: q and dO rows
+    assert pk_sparse.entry_block("triton", 512, 64, 1, 128, 16) == 64  # a narrower latent keeps its block
+    assert pk_sparse.entry_block("interpret", 512, 64, 1, 512, 64) == 64
     for d, rows in ((512, 16), (512, 32), (256, 64)):
-        blk = pk_sparse._entry_block("triton", 4096, 128, 1, d, rows)
+        blk = pk_sparse.entry_block("triton", 4096, 128, 1, d, rows)
         assert 4 * d * (rows + 2 * blk) <= 160 * 1024
