@@ -147,7 +147,8 @@ def attention(cfg: ModelConfig, spec: LayerSpec, params: dict, x: Array, kv: Lay
     # Window: positions max(floor, t−W+1) … t, from the ring and this chunk.
     pos, ids = window_ids(positions, chunk.start, cfg.sliding_window, ring.rows)
     window = concat_rows(ring, swa)  # [B, slots + S, ·]
-    window_idx = jnp.where(pos >= jnp.maximum(chunk.floor, 0)[:, None, None], ids, NO_ENTRY)  # [B, S, W]
+    floor = ctx.window_floor(layer) if enter is None else chunk.floor  # the tail's chunk: the decoder floor
+    window_idx = jnp.where(pos >= jnp.maximum(floor, 0)[:, None, None], ids, NO_ENTRY)  # [B, S, W]
 
     # Global entries selected by this group's indexer (SPEC §5).
     q_index = w_index = None

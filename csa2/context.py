@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from csa2.chunk import Chunk
 from csa2.hooks import Instrument
@@ -18,7 +19,9 @@ class Context:
     `[B, N−1+S]` (None without Engram); rows: the chunk rows of the flow (None = every row); written_from: the
     first position whose Global KV entries the call may write (None = any; SPEC §11 encoder replay); quantize:
     the SPEC §8 numerics (False: the float model); instrument: what every Global-reading layer reads and what
-    every layer taps (`csa2.hooks`); entries: the call's largest Global KV source (`hooks.Sight.entries`)."""
+    every layer taps (`csa2.hooks`); entries: the call's largest Global KV source (`hooks.Sight.entries`);
+    split, decoder_floor: from layer `split` on (the decoder, SPEC §11), no window entry below `decoder_floor
+    [B]` is read; before it, none below `chunk.floor` (`window_floor`)."""
 
     chunk: Chunk
     history: Array | None
@@ -27,3 +30,9 @@ class Context:
     quantize: bool
     instrument: Instrument
     entries: int
+    split: int
+    decoder_floor: Array
+
+    def window_floor(self, layer: Array | int) -> Array:
+        """The first position layer `layer` (may be traced) may read in its window `[B]`."""
+        return jnp.where(layer >= self.split, self.decoder_floor, self.chunk.floor)

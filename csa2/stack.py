@@ -252,13 +252,13 @@ def _units(groups: tuple[Group, ...], lo: int, hi: int) -> list[Unit]:
     return units
 
 
-def segments(cfg: ModelConfig, split: int, cut: bool) -> tuple[list[Unit], int | None, list[Unit]]:
-    """The call's three segments: units before the split, the split layer when it enters a cut tail
-    from inside (a compressing layer: its compressor needs every row; else None, and the flow is cut
+def segments(cfg: ModelConfig, split: int) -> tuple[list[Unit], int | None, list[Unit]]:
+    """A bounded replay's three segments: units before the split, the split layer when it enters the decoder
+    tail from inside (a compressing layer: its compressor needs every row; else None, and the flow is cut
     before the layer), and the units after it."""
     groups = layer_groups(cfg)
     L = cfg.num_hidden_layers
-    if cut and layer_plan(cfg)[split].compresses:
+    if layer_plan(cfg)[split].compresses:
         return _units(groups, 0, split), split, _units(groups, split + 1, L)
     return _units(groups, 0, split), None, _units(groups, split, L)
 
@@ -366,16 +366,16 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     of the rows that reach the head (SPEC §12). `instrument`: what every Global-reading layer reads and what
     every layer taps (`csa2.hooks`).
 
-    Three segments: before the split every row runs with no floor; at the split the flow enters the
-    decoder tail (bounded replay only; inside the split layer when it compresses, before it otherwise);
-    from there the tail rows run with the decoder floor (SPEC §11).
+    Exact mode (every row through every layer) is one pass over the layers, the decoder's from the split on
+    reading above the rows' decoder floor. Bounded replay has three segments: before the split every row runs;
+    at the split the flow enters the decoder tail (inside the split layer when it compresses, before it
+    otherwise); from there the tail rows run (SPEC §11).
     """
     b, s = tokens.shape
     chex.assert_shape([state.length, state.floor, n_valid], (b,))
     encoder_floor = jnp.zeros_like(state.length) if extend is None else extend.encoder_floor()
     written_from = None if extend is None else extend.hit  # replayed prefix rows never rewrite its Global KV
     chunk = Chunk(start=state.length, n_valid=n_valid, floor=encoder_floor)
-    plan: ReplayPlan = replay_plan(cfg, replay, chunk, s, state.floor, extend)
     history = engram_vocab.compressed(params, _history(cfg, state, tokens, chunk.start)) if cfg.engram_layer_ids else None
     with jax.named_scope("embed"):
         X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
@@ -383,12 +383,20 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
                 bus=Bus.empty(cfg, b, s), state=state,
                 features=jnp.zeros((b, s, len(cfg.dspark_target_layer_ids), cfg.hidden_size), jnp.float32)
                 if features else None)
-    before, at, after = segments(cfg, plan.split, plan.cut)
-    before_split = Context(chunk=chunk, history=history, rows=None, written_from=written_from, quantize=quantize,
-                           instrument=instrument, entries=largest_source(state))
-    from_split = dataclasses.replace(before_split, chunk=plan.tail.chunk, rows=plan.tail.rows if plan.cut else None)
-
+    ctx = Context(chunk=chunk, history=history, rows=None, written_from=written_from, quantize=quantize,
+                  instrument=instrument, entries=largest_source(state), split=replay.split(cfg),
+                  decoder_floor=state.floor)
     groups = layer_groups(cfg)
+    if replay.exact:
+        flow, y = _run_units(cfg, params, _units(groups, 0, cfg.num_hidden_layers), flow, ctx)
+        work = cfg.num_hidden_layers * jnp.sum(chunk.n_valid)
+        rows = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+        return _finish(cfg, flow, y, work, tokens, chunk, rows, n_valid, state.floor)
+
+    plan: ReplayPlan = replay_plan(cfg, replay, chunk, s, state.floor, extend)
+    before, at, after = segments(cfg, plan.split)
+    before_split = dataclasses.replace(ctx, decoder_floor=plan.tail.chunk.floor)
+    from_split = dataclasses.replace(before_split, chunk=plan.tail.chunk, rows=plan.tail.rows)
     ys, work = [], jnp.zeros((), jnp.int32)
     for unit in before:
         flow, y = run_unit(cfg, params, unit, flow, before_split)
@@ -398,7 +406,7 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
         flow, y = _enter(cfg, params, at, flow, before_split, plan.tail)
         ys.append(y)
         work += jnp.sum(chunk.n_valid)  # every row enters the split layer
-    elif plan.cut:  # the split layer does not compress: the tail enters before it
+    else:  # the split layer does not compress: the tail enters before it
         X, pre, bus, collected = _decoder_rows((flow.X, flow.pre, flow.bus, flow.features), plan.tail)
         flow = flow.replace(X=X, pre=pre, bus=bus, features=collected)
     for unit in after:
@@ -406,14 +414,29 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
         ys.append(y)
         work += unit.layers(groups) * jnp.sum(plan.tail.chunk.n_valid)
     y = jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
+    return _finish(cfg, flow, y, work, tokens, chunk, plan.tail.rows, plan.tail.chunk.n_valid, plan.tail.chunk.floor)
 
+
+def _run_units(cfg: ModelConfig, params: dict, units: list[Unit], flow: Flow, ctx: Context) -> tuple[Flow, Outputs]:
+    """`units` in order; their `Outputs` concatenated `[layers, ...]`."""
+    ys = []
+    for unit in units:
+        flow, y = run_unit(cfg, params, unit, flow, ctx)
+        ys.append(y)
+    return flow, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
+
+
+def _finish(cfg: ModelConfig, flow: Flow, y: Outputs, work: Array, tokens: Array, chunk: Chunk, rows: Array,
+            n_rows: Array, floor: Array) -> StackOut:
+    """The call's result: the chunk's tokens in the Engram history, `length` and `floor` set."""
+    s = tokens.shape[1]
     state = flow.state
     tokens_ring = state.tokens
     if tokens_ring.shape[1]:
         tokens_ring = cache.ring_scatter(tokens_ring, chunk.positions(s), tokens, chunk.valid(s), chunk.end)
-    state = state.replace(length=chunk.end, floor=plan.tail.chunk.floor, tokens=tokens_ring)
-    return StackOut(X=flow.X, pre=flow.pre, rows=plan.tail.rows, n_rows=plan.tail.chunk.n_valid, state=state,
-                    load=y.load, work=work, features=flow.features, tap=y.tap)
+    state = state.replace(length=chunk.end, floor=floor, tokens=tokens_ring)
+    return StackOut(X=flow.X, pre=flow.pre, rows=rows, n_rows=n_rows, state=state, load=y.load, work=work,
+                    features=flow.features, tap=y.tap)
 
 
 def logits(cfg: ModelConfig, params: dict, X: Array, pre: Array) -> Array:
