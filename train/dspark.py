@@ -405,7 +405,7 @@ def adapt(cfg: ModelConfig, backbone_params: nnx.State, tokens_array, dc: DSpark
         extra={"dspark_config": dataclasses.asdict(dc)},
         summary=lambda r: (f"loss {r['loss']:.3f} accept_len {r['accept_len']:.2f} greedy "
                            f"{r['greedy_accept_len']:.2f} ece {r['ece']:.3f}"),
-        rate="steps_per_s", work=lambda _: 1, plot=plot, figure="dspark.png", log_every=dc.log_every)
+        rate="steps_per_s", work=lambda _: 1, plot=plot, png="dspark.png", log_every=dc.log_every)
     state = run(trainee, cfg, out, resume=resume, log=log, save_every=save_every, until=until)
     return checkpoint.with_drafter(backbone_params, state.params)
 

@@ -99,7 +99,7 @@ class Trainee:
     rate: str  # the record field of the throughput ...
     work: Callable[[object], int]  # ... counted per batch (tokens, or 1 per step)
     plot: Callable[[list[dict], pathlib.Path], bool]  # records → a PNG (False without the plot extra) ...
-    figure: str  # ... of this name in the run directory
+    png: str  # ... of this name in the run directory
     log_every: int = 1  # steps between logged records (the last step is always logged)
 
 
@@ -156,8 +156,8 @@ def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: 
         sys.stderr.write("\n")
     _save(out, cfg, trainee, state)
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    if records and not trainee.plot(records, out / trainee.figure):
-        log(f"no {out / trainee.figure}: plotting needs the plot extra (pip install -e '.[plot]')")
+    if records and not trainee.plot(records, out / trainee.png):
+        log(f"no {out / trainee.png}: plotting needs the plot extra (pip install -e '.[plot]')")
     return state
 
 
@@ -196,5 +196,5 @@ def train(cfg: ModelConfig, tc: TrainConfig, data: np.ndarray | Batches, out: st
         extra={"train_config": dict(vars(tc))},
         summary=lambda r: (f"loss {r['loss']:.3f} bpb {r['bpb']:.3f} kl {r['index_kl']:.4f} "
                            f"{r['tokens_per_s']:,.0f} tok/s"),
-        rate="tokens_per_s", work=lambda batch: batch[0].size, plot=plot_losses, figure="loss.png")
+        rate="tokens_per_s", work=lambda batch: batch[0].size, plot=plot_losses, png="loss.png")
     return run(trainee, cfg, out, resume=resume, log=log, bar=bar, save_every=save_every, until=until)
