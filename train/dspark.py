@@ -33,9 +33,9 @@ also draws invalid ones, whose slots the mask removes.
   + BCE(c_k, α_k)` with `α_k = stop_gradient(1 − ½‖p_draft − p_target‖₁)`, the probability that a
   stochastic verifier accepts the draft; averaged with weights `w_k = exp(−k/4)` (k 0-based) over the
   unmasked slots. α is a target for the confidence head only: no gradient flows into the draft through it.
-- **Optimizer.** AdamW (warmup + cosine, global-norm clipping) on the drafter's `nnx.Param`s only.
-  Its MoE `RouterBias` variables are excluded by type and stay frozen at their values (the drafter
-  has no balancing rule of its own here).
+- **Optimizer.** The backbone's (`train.step.optimizer`: AdamW, warmup + cosine, global-norm clipping)
+  on the drafter's `nnx.Param`s only. Its MoE `RouterBias` variables are excluded by type and stay frozen
+  at their values (the drafter has no balancing rule of its own here).
 - **Metrics** (`metrics.jsonl`, one JSON line per logged step, and `dspark.png`): the loss and its
   three parts; per slot k the mean α_k (`accept`) and the greedy match rate argmax draft == argmax
   target (`greedy`); the mean accepted length `Σ_k Π_{j≤k} α_j` (`accept_len`) and its greedy
@@ -43,12 +43,13 @@ also draws invalid ones, whose slots the mask removes.
   the window. Both are *teacher-forced* estimates: every slot sees the true previous token, whereas
   at inference a slot after a rejection never runs. `ece` is the expected calibration error of the
   confidence c_k against α_k (10 equal-width bins).
-- **Checkpoints** hold the drafter alone (`csa2.checkpoints.native.save_drafter`, with the model config, the
-  optimizer state and the RNG); inference puts it into the backbone's params with
+- **Checkpoints** hold the drafter alone (`csa2.checkpoints.native.save` of kind `DRAFTER_KIND`, with the
+  model config, the optimizer state and the RNG); inference puts it into the backbone's params with
   `csa2.checkpoints.native.with_drafter` / `restore_with_drafter`.
 
-`adapt` is the library entry (the CLI and `make demo` call it); bad input raises ValueError naming the
-field, its value and the fix.
+`adapt` is the library entry (the CLI and `make demo` call it): this objective and `dspark_step` on the
+shared loop (`train.loop.run`: metrics, progress, checkpoints, resume). Bad input raises ValueError naming
+the field, its value and the fix.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ import sys
 import time
 from typing import Callable
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,7 +78,8 @@ from csa2.params import arrays
 from csa2.presets import BOS_ID
 from train.data import batches
 from train.distill import continuations, pool_batches
-from train.loop import figure, progress
+from train.loop import Trainee, figure, host, run
+from train.step import TrainState, optimizer
 
 Array = jax.Array
 
@@ -149,16 +150,6 @@ class DSparkTrainConfig:
             raise ValueError(f"DSparkTrainConfig.warmup={self.warmup!r}: must be an integer ≥ 0 (steps of lr warmup)")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"DSparkTrainConfig.seed={self.seed!r}: must be an integer ≥ 0")
-
-
-@chex.dataclass(frozen=True)
-class DSparkState:
-    """The adapted drafter and what resumes its training."""
-
-    drafter: nnx.State  # the `drafter` subtree of the model's params
-    opt_state: optax.OptState
-    step: Array  # int32 scalar: steps done
-    rng: Array  # anchors of step k come from fold_in(rng, k)
 
 
 def check_backbone(cfg: ModelConfig) -> None:
@@ -277,20 +268,6 @@ def losses(cfg: ModelConfig, dc: DSparkTrainConfig, drafter: nnx.State, backbone
     return objective(dc, draft_logits, confidence, target_logits, tokens, anchors)
 
 
-def _labels(drafter: nnx.State) -> nnx.State:
-    """"adamw" for the drafter's `nnx.Param`s; "frozen" for every other variable (its MoE `RouterBias`)."""
-    return jax.tree_util.tree_map(lambda v: "adamw" if isinstance(v, nnx.Param) else "frozen", drafter,
-                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def optimizer(dc: DSparkTrainConfig) -> optax.GradientTransformation:
-    """AdamW with warmup + cosine decay and global-norm clipping on the drafter's `nnx.Param`s only."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, dc.lr, min(dc.warmup, dc.steps - 1), dc.steps, dc.lr * 0.1)
-    adamw = optax.chain(optax.clip_by_global_norm(dc.clip_norm),
-                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=dc.weight_decay))
-    return optax.multi_transform({"adamw": adamw, "frozen": optax.set_to_zero()}, _labels)
-
-
 def with_stages(cfg: ModelConfig, params: nnx.State, stages: int, seed: int) -> tuple[ModelConfig, nnx.State]:
     """(config, params) of the backbone `params` of `cfg` with a fresh drafter of `stages` draft stages."""
     if not is_static_int(stages) or stages < 1:
@@ -305,25 +282,27 @@ def fresh_drafter(cfg: ModelConfig, seed: int) -> nnx.State:
     return model.init_params(cfg, jax.random.PRNGKey(seed))[model.DRAFTER]
 
 
-def init_state(cfg: ModelConfig, dc: DSparkTrainConfig, drafter: nnx.State | None = None) -> DSparkState:
-    """Step 0: `drafter` (default `fresh_drafter(cfg, dc.seed)`), fresh AdamW state, the run's RNG."""
+def init_state(cfg: ModelConfig, dc: DSparkTrainConfig, drafter: nnx.State | None = None) -> TrainState:
+    """Step 0: the drafter's subtree as the trained params (default `fresh_drafter(cfg, dc.seed)`), fresh AdamW
+    state (`train.step.optimizer` on the drafter's `nnx.Param`s), the run's RNG."""
     # A copy: the step donates its state, and a caller's drafter may share buffers with params it still reads.
     drafter = fresh_drafter(cfg, dc.seed) if drafter is None else jax.tree.map(jnp.copy, drafter)
-    return DSparkState(drafter=drafter, opt_state=optimizer(dc).init(drafter), step=jnp.zeros((), jnp.int32),
-                       rng=jax.random.fold_in(jax.random.PRNGKey(dc.seed), 1))
+    return TrainState(params=drafter, opt_state=optimizer(dc, frozen=()).init(drafter),
+                      step=jnp.zeros((), jnp.int32), rng=jax.random.fold_in(jax.random.PRNGKey(dc.seed), 1))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dc"), donate_argnames=("state",))
-def dspark_step(cfg: ModelConfig, dc: DSparkTrainConfig, state: DSparkState, backbone: nnx.State,
-                tokens: Array) -> tuple[DSparkState, dict]:
-    """One update of the drafter on `tokens [B, S]` with the step's anchors; the backbone is read, never changed."""
+def dspark_step(cfg: ModelConfig, dc: DSparkTrainConfig, state: TrainState, backbone: nnx.State,
+                tokens: Array) -> tuple[TrainState, dict]:
+    """One update of the drafter (`state.params`) on `tokens [B, S]` with the step's anchors; the backbone is read,
+    never changed."""
     anchors = sample_anchors(jax.random.fold_in(state.rng, state.step), tokens, dc.anchors)
     (loss, metrics), grads = jax.value_and_grad(lambda d: losses(cfg, dc, d, backbone, tokens, anchors),
-                                                has_aux=True)(state.drafter)
-    updates, opt_state = optimizer(dc).update(grads, state.opt_state, state.drafter)
-    drafter = optax.apply_updates(state.drafter, updates)
+                                                has_aux=True)(state.params)
+    updates, opt_state = optimizer(dc, frozen=()).update(grads, state.opt_state, state.params)
+    drafter = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, **metrics, "grad_norm": optax.tree.norm(grads)}
-    return DSparkState(drafter=drafter, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
+    return TrainState(params=drafter, opt_state=opt_state, step=state.step + 1, rng=state.rng), metrics
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dc"))
@@ -336,15 +315,6 @@ def dspark_metrics(cfg: ModelConfig, dc: DSparkTrainConfig, drafter: nnx.State, 
 
 # ---------------------------------------------------------------------------------------------
 # The loop
-
-def _host(metrics: dict) -> dict:
-    """Metrics as JSON values: scalars as floats, per-slot arrays as lists."""
-    out = {}
-    for k, v in metrics.items():
-        v = np.asarray(v)
-        out[k] = float(v) if v.ndim == 0 else [float(x) for x in v]
-    return out
-
 
 def plot(records: list[dict], path: pathlib.Path) -> bool:
     """Loss parts, per-slot acceptance (first vs last logged step) and accepted length / ECE as a PNG;
@@ -377,12 +347,6 @@ def plot(records: list[dict], path: pathlib.Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return True
-
-
-def _save(out: pathlib.Path, cfg: ModelConfig, dc: DSparkTrainConfig, state: DSparkState) -> None:
-    step = int(state.step)
-    checkpoint.save_drafter(out, step, state.drafter, cfg, opt_state=state.opt_state, rng=state.rng, data_step=step,
-                            extra={"dspark_config": dataclasses.asdict(dc)})
 
 
 def _pool(cfg: ModelConfig, dc: DSparkTrainConfig, params: nnx.State, corpus, out: pathlib.Path,
@@ -429,53 +393,23 @@ def adapt(cfg: ModelConfig, backbone_params: nnx.State, tokens_array, dc: DSpark
         raise ValueError(f"backbone_params: no {model.DRAFTER!r} subtree; pass the full params of cfg "
                          "(model.init_params or checkpoint.restore_params), not the backbone's parameters alone")
     out = pathlib.Path(out_dir)
-    checkpoint.check_drafter_dir(out, cfg)  # refuse a backbone's directory or another config's run before training
-    out.mkdir(parents=True, exist_ok=True)
-    if resume:
-        opt_like = jax.eval_shape(optimizer(dc).init, model.abstract_params(cfg)[model.DRAFTER])
-        restored = checkpoint.restore_drafter_training(out, cfg, opt_state_like=opt_like)
-        state = DSparkState(drafter=restored["drafter"], opt_state=restored["opt_state"],
-                            step=jnp.asarray(restored["step"], jnp.int32), rng=restored["rng"])
-    else:
-        state = init_state(cfg, dc, drafter)
-    first = int(state.step)
-    if dc.data == "corpus":
-        data = (tokens for tokens, _ in batches(tokens_array, dc.batch_size, dc.seq_len, seed=dc.seed,
-                                                start_step=first))
-    else:
-        data = pool_batches(_pool(cfg, dc, backbone_params, tokens_array, out, log), dc.batch_size, seed=dc.seed,
+
+    def stream(first: int):
+        if dc.data == "corpus":
+            return (tokens for tokens, _ in batches(tokens_array, dc.batch_size, dc.seq_len, seed=dc.seed,
+                                                    start_step=first))
+        return pool_batches(_pool(cfg, dc, backbone_params, tokens_array, out, log), dc.batch_size, seed=dc.seed,
                             start_step=first)
-    metrics_path = out / "metrics.jsonl"
-    records = ([json.loads(line) for line in metrics_path.read_text().splitlines()]
-               if resume and metrics_path.exists() else [])
-    records = [r for r in records if r["step"] <= first]
-    last = dc.steps if until is None else min(until, dc.steps)
-    if first >= last:
-        log(f"nothing to do: the drafter checkpoint in {out} is at step {first} ≥ {last}")
-    compiled = time.perf_counter()
-    for step in range(first, last):
-        tokens = next(data)
-        state, metrics = dspark_step(cfg, dc, state, backbone_params, jnp.asarray(tokens))
-        done = step + 1
-        if step == first:  # the first step includes compilation: rates count from its end
-            jax.block_until_ready(metrics["loss"])
-            compiled = time.perf_counter()
-        if done % dc.log_every == 0 or done == last:
-            elapsed = time.perf_counter() - compiled
-            record = {"step": done, **_host(metrics), "steps_per_s": (step - first) / elapsed if step > first else 0.0}
-            records.append(record)
-            log(json.dumps(record))
-            progress(done, last, f"loss {record['loss']:.3f} accept_len {record['accept_len']:.2f} greedy "
-                     f"{record['greedy_accept_len']:.2f} ece {record['ece']:.3f}",
-                     elapsed / (step - first) * (last - done) if step > first else float("nan"))
-        if save_every and done % save_every == 0 and done < last:
-            _save(out, cfg, dc, state)
-    sys.stderr.write("\n")
-    _save(out, cfg, dc, state)
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    if records and not plot(records, out / "dspark.png"):
-        log(f"no {out / 'dspark.png'}: plotting needs the plot extra (pip install -e '.[plot]')")
-    return checkpoint.with_drafter(backbone_params, state.drafter)
+
+    trainee = Trainee(
+        kind=checkpoint.DRAFTER_KIND, steps=dc.steps, init=lambda: init_state(cfg, dc, drafter), batches=stream,
+        step=lambda state, tokens, _: dspark_step(cfg, dc, state, backbone_params, jnp.asarray(tokens)),
+        extra={"dspark_config": dataclasses.asdict(dc)},
+        summary=lambda r: (f"loss {r['loss']:.3f} accept_len {r['accept_len']:.2f} greedy "
+                           f"{r['greedy_accept_len']:.2f} ece {r['ece']:.3f}"),
+        rate="steps_per_s", work=lambda _: 1, plot=plot, png="dspark.png", log_every=dc.log_every)
+    state = run(trainee, cfg, out, resume=resume, log=log, save_every=save_every, until=until)
+    return checkpoint.with_drafter(backbone_params, state.params)
 
 
 def evaluate(cfg: ModelConfig, params: nnx.State, tokens_array, dc: DSparkTrainConfig, n_batches: int = 4) -> dict:
@@ -484,7 +418,7 @@ def evaluate(cfg: ModelConfig, params: nnx.State, tokens_array, dc: DSparkTrainC
     drafter, total = params[model.DRAFTER], None
     for i in range(n_batches):
         tokens, _ = next(data)
-        m = _host(dspark_metrics(cfg, dc, drafter, params, jnp.asarray(tokens), jax.random.PRNGKey(i)))
+        m = host(dspark_metrics(cfg, dc, drafter, params, jnp.asarray(tokens), jax.random.PRNGKey(i)))
         total = m if total is None else {k: (np.add(total[k], v)) for k, v in m.items()}
     return {k: (np.asarray(v) / n_batches).tolist() for k, v in total.items()}
 

@@ -1,11 +1,14 @@
-"""The training loop: batches → `train_step`, progress, JSON-lines metrics, checkpoints, loss curve.
+"""The training loop: batches → a step function, progress, JSON-lines metrics, checkpoints, a figure.
 
-Resuming is bit-identical: the batch at step k is a pure function of (seed, k), and the
-checkpoint holds params, optimizer state, step, data position, config and RNG.
+`run` drives any `Trainee`: the backbone (`train`: `train_step`, loss.png) and the DSpark drafter
+(`train.dspark.adapt`). Resuming is bit-identical: the batch at step k is a pure function of (seed, k), and
+the checkpoint (`csa2.checkpoints.native`, of the trainee's kind) holds params, optimizer state, step, data
+position, config and RNG.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -13,6 +16,7 @@ import sys
 import time
 from typing import Callable, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,70 +75,126 @@ def plot_losses(records: list[dict], path: pathlib.Path) -> bool:
     return True
 
 
+def host(metrics: dict) -> dict:
+    """Metrics as JSON values: scalars as floats, per-slot arrays as lists."""
+    out = {}
+    for k, v in metrics.items():
+        v = np.asarray(v)
+        out[k] = float(v) if v.ndim == 0 else [float(x) for x in v]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainee:
+    """One kind of training run, as `run` drives it: `train` builds the backbone's, `train.dspark.adapt` the
+    drafter's. Every batch is a pure function of its step, so resuming is the run that never stopped."""
+
+    kind: str  # the checkpoints' kind (csa2.checkpoints.native.KINDS)
+    steps: int  # the schedule's length
+    init: Callable[[], TrainState]  # step 0; its shapes are also what a resumed run restores
+    batches: Callable[[int], Iterator]  # start step → the batches from that step on
+    step: Callable[[TrainState, object, int], tuple[TrainState, dict]]  # (state, batch, step index) → update
+    extra: dict  # the recipe, stored with every checkpoint
+    summary: Callable[[dict], str]  # a logged record → the progress bar's fields
+    rate: str  # the record field of the throughput ...
+    work: Callable[[object], int]  # ... counted per batch (tokens, or 1 per step)
+    plot: Callable[[list[dict], pathlib.Path], bool]  # records → a PNG (False without the plot extra) ...
+    png: str  # ... of this name in the run directory
+    log_every: int = 1  # steps between logged records (the last step is always logged)
+
+
+def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: bool = False,
+        log: Callable[[str], None] = print, bar: bool = True, save_every: int = 0,
+        until: int | None = None) -> TrainState:
+    """Train up to step `until` (default `trainee.steps`) of the schedule, from the latest checkpoint in `out`
+    when `resume`; then save, write metrics.jsonl and the trainee's figure. `log` takes each logged step's record
+    as a JSON line; `bar` draws a progress bar on stderr. A directory holding checkpoints of another kind or
+    config is refused before any step runs."""
+    out = pathlib.Path(out)
+    checkpoint.check_dir(out, cfg, trainee.kind)
+    out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        like = jax.eval_shape(trainee.init)
+        restored = checkpoint.restore(out, cfg, kind=trainee.kind, params_like=like.params,
+                                      opt_state_like=like.opt_state)
+        state = TrainState(params=restored["params"], opt_state=restored["opt_state"],
+                           step=jnp.asarray(restored["step"], jnp.int32), rng=restored["rng"])
+    else:
+        state = trainee.init()
+    first = int(state.step)
+    stream = trainee.batches(first)
+    metrics_path = out / "metrics.jsonl"
+    records = ([json.loads(line) for line in metrics_path.read_text().splitlines()]
+               if resume and metrics_path.exists() else [])
+    records = [r for r in records if r["step"] <= first]
+    last = trainee.steps if until is None else min(until, trainee.steps)
+    if first >= last:
+        log(f"nothing to do: the {trainee.kind} checkpoint in {out} is at step {first} ≥ {last}")
+    compiled = time.perf_counter()
+    work = 0  # done since the first (compiling) step
+    for step in range(first, last):
+        batch = next(stream)
+        state, metrics = trainee.step(state, batch, step)
+        done = step + 1
+        if step == first:  # the first step includes compilation: rates count from its end
+            jax.block_until_ready(metrics)
+            compiled = time.perf_counter()
+        else:
+            work += trainee.work(batch)
+        if done % trainee.log_every == 0 or done == last:
+            record = {"step": done, **host(metrics)}
+            elapsed = time.perf_counter() - compiled
+            record[trainee.rate] = work / elapsed if step > first else 0.0
+            records.append(record)
+            log(json.dumps(record))
+            if bar:
+                progress(done, last, trainee.summary(record),
+                         elapsed / (step - first) * (last - done) if step > first else float("nan"))
+        if save_every and done % save_every == 0 and done < last:
+            _save(out, cfg, trainee, state)
+    if bar:
+        sys.stderr.write("\n")
+    _save(out, cfg, trainee, state)
+    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    if records and not trainee.plot(records, out / trainee.png):
+        log(f"no {out / trainee.png}: plotting needs the plot extra (pip install -e '.[plot]')")
+    return state
+
+
+def _save(out: pathlib.Path, cfg: ModelConfig, trainee: Trainee, state: TrainState) -> None:
+    step = int(state.step)
+    checkpoint.save(out, step, kind=trainee.kind, params=state.params, opt_state=state.opt_state, rng=state.rng,
+                    data_step=step, cfg=cfg, extra=trainee.extra)
+
+
 def train(cfg: ModelConfig, tc: TrainConfig, data: np.ndarray | Batches, out: str | pathlib.Path, *,
           resume: bool = False, log: Callable[[str], None] = print, bar: bool = True, save_every: int = 0,
           until: int | None = None) -> TrainState:
-    """Train up to step `until` (default `tc.steps`) of the `tc` schedule, from the latest checkpoint
-    in `out` when `resume`; then save, write metrics.jsonl and plot the loss curve. `log` takes each step's
-    metrics as a JSON line; `bar` draws a progress bar on stderr.
+    """Train the backbone up to step `until` (default `tc.steps`) of the `tc` schedule (`run`: from the latest
+    checkpoint in `out` when `resume`; then save, write metrics.jsonl and plot the loss curve as loss.png).
 
     `data` is a token stream (random windows of `tc.batch_size × tc.seq_len`, `train.data.batches`) or a
     `Batches` function: `data(start_step)` iterates `(inputs, targets, weights)` from that step on, each
     batch a pure function of its step (so resuming stays bit-identical) and of any shape (one compile per
     shape), e.g. the mixed long-context batches of `train.longctx`."""
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = init_train_state(cfg, tc)
-    if resume:
-        restored = checkpoint.restore(out, cfg, params_like=state.params, opt_state_like=state.opt_state)
-        state = TrainState(params=restored["params"], opt_state=restored["opt_state"],
-                           step=jnp.asarray(restored["step"], jnp.int32), rng=restored["rng"])
-    first = int(state.step)
     if callable(data):
-        stream = data(first)
+        stream = data
     else:
-        stream = ((x, y, None) for x, y in batches(data, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=first))
-    metrics_path = out / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if resume and metrics_path.exists() else []
-    records = [r for r in records if r["step"] <= first]
-    last = tc.steps if until is None else min(until, tc.steps)
-    if first >= last:
-        log(f"nothing to do: the checkpoint in {out} is at step {first} ≥ {last}")
-    compiled = time.perf_counter()
-    tokens = 0  # trained since the first (compiling) step
-    for step in range(first, last):
-        inputs, targets, weights = next(stream)
-        state, metrics = train_step(cfg, tc.for_step(), state, jnp.asarray(inputs), jnp.asarray(targets),
-                                    None if weights is None else jnp.asarray(weights),
-                                    dense=step < tc.dense_warmup_steps, qat=tc.qat(step))
-        metrics = {k: float(v) for k, v in metrics.items()}
-        now = time.perf_counter()
-        if step == first:  # the first step includes compilation: rates count from its end
-            compiled = now
-        else:
-            tokens += inputs.size
-        done = step - first
-        rate = tokens / (now - compiled) if done else 0.0
-        record = {"step": step + 1, **metrics, "tokens_per_s": rate}
-        records.append(record)
-        log(json.dumps(record))
-        eta = (now - compiled) / done * (last - step - 1) if done else float("nan")
-        if bar:
-            progress(step + 1, last, f"loss {metrics['loss']:.3f} bpb {metrics['bpb']:.3f} "
-                     f"kl {metrics['index_kl']:.4f} {rate:,.0f} tok/s", eta)
-        if save_every and (step + 1) % save_every == 0 and step + 1 < last:
-            _save(out, cfg, tc, state)
-    if bar:
-        sys.stderr.write("\n")
-    _save(out, cfg, tc, state)
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    if records and not plot_losses(records, out / "loss.png"):
-        log(f"no {out / 'loss.png'}: plotting needs the plot extra (pip install -e '.[plot]')")
-    return state
+        def stream(first: int):
+            return ((x, y, None) for x, y in batches(data, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=first))
 
+    compiled_tc = tc.for_step()
 
-def _save(out: pathlib.Path, cfg: ModelConfig, tc: TrainConfig, state: TrainState) -> None:
-    step = int(state.step)
-    checkpoint.save(out, step, params=state.params, opt_state=state.opt_state, data_step=step, rng=state.rng, cfg=cfg,
-                    extra={"train_config": {k: v for k, v in vars(tc).items()}})
+    def step(state: TrainState, batch, index: int):
+        inputs, targets, weights = batch
+        return train_step(cfg, compiled_tc, state, jnp.asarray(inputs), jnp.asarray(targets),
+                          None if weights is None else jnp.asarray(weights),
+                          dense=index < tc.dense_warmup_steps, qat=tc.qat(index))
 
+    trainee = Trainee(
+        kind=checkpoint.BACKBONE, steps=tc.steps, init=lambda: init_train_state(cfg, tc), batches=stream, step=step,
+        extra={"train_config": dict(vars(tc))},
+        summary=lambda r: (f"loss {r['loss']:.3f} bpb {r['bpb']:.3f} kl {r['index_kl']:.4f} "
+                           f"{r['tokens_per_s']:,.0f} tok/s"),
+        rate="tokens_per_s", work=lambda batch: batch[0].size, plot=plot_losses, png="loss.png")
+    return run(trainee, cfg, out, resume=resume, log=log, bar=bar, save_every=save_every, until=until)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Protocol
 
 import chex
 import jax
@@ -78,28 +79,44 @@ class TrainConfig:
 
 @chex.dataclass(frozen=True)
 class TrainState:
-    params: nnx.State
+    """What a trainee's run holds and resumes from (`train.loop.run`)."""
+
+    params: nnx.State  # the trained tree: the model's params, or the drafter's subtree (`train.dspark`)
     opt_state: optax.OptState
     step: Array  # int32 scalar
     rng: Array
 
 
-def _labels(params: nnx.State) -> nnx.State:
-    """"adamw" for every backbone `nnx.Param`; "frozen" for every other variable type (the MoE `RouterBias`)
-    and for the DSpark drafter's subtree, which `train.dspark` adapts on the trained backbone."""
+class Schedule(Protocol):
+    """The fields `optimizer` reads of a recipe (`TrainConfig`, `train.dspark.DSparkTrainConfig`)."""
+
+    steps: int
+    lr: float
+    warmup: int
+    weight_decay: float
+    clip_norm: float
+
+
+def _labels(params: nnx.State, frozen: tuple[str, ...] = (model.DRAFTER,)) -> nnx.State:
+    """"adamw" for every `nnx.Param` outside the subtrees `frozen` (top-level keys); "frozen" for those subtrees and
+    for every other variable type (the MoE `RouterBias`). The backbone's trainer freezes the DSpark drafter's
+    subtree, which `train.dspark` adapts on the trained backbone."""
     def label(path, v):
-        drafter = bool(path) and getattr(path[0], "key", None) == model.DRAFTER
-        return "adamw" if isinstance(v, nnx.Param) and not drafter else "frozen"
+        skipped = bool(path) and getattr(path[0], "key", None) in frozen
+        return "adamw" if isinstance(v, nnx.Param) and not skipped else "frozen"
 
     return jax.tree_util.tree_map_with_path(label, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with warmup + cosine decay and global-norm clipping, on the `nnx.Param`s only."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, min(tc.warmup, tc.steps - 1), tc.steps, tc.lr * 0.1)
-    adamw = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
-                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
-    return optax.multi_transform({"adamw": adamw, "frozen": optax.set_to_zero()}, _labels)
+def optimizer(oc: Schedule, frozen: tuple[str, ...] = (model.DRAFTER,)) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine decay and global-norm clipping on the `nnx.Param`s of the tree it updates, but
+    those of the top-level subtrees `frozen`: the backbone's params without its drafter (the default), or the
+    drafter's own subtree with `frozen=()` (`train.dspark`)."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, oc.lr, min(oc.warmup, oc.steps - 1), oc.steps, oc.lr * 0.1)
+    adamw = optax.chain(optax.clip_by_global_norm(oc.clip_norm),
+                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=oc.weight_decay))
+    return optax.multi_transform({"adamw": adamw, "frozen": optax.set_to_zero()},
+                                 functools.partial(_labels, frozen=frozen))
 
 
 def init_train_state(cfg: ModelConfig, tc: TrainConfig) -> TrainState:

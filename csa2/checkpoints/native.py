@@ -1,12 +1,18 @@
 """Checkpoints: params, optimizer state, data position, RNG and the model config, saved with orbax.
 
-Training writes them and inference reads them, so they live here, below both. One step directory
-holds three orbax items: `params` (the `nnx.State` of `model.init_params`) and `train` =
-{opt_state, rng} (array pytrees, `StandardSave`; `train` is never empty, even for a stateless
-optimizer) and `meta` (JSON: the `ModelConfig` as `dataclasses.asdict`, the parameter layout
-version, step, data step and the caller's `extra`). Restoring reads `meta` first, so a checkpoint
-whose config (RELEASED and VARIANT fields) differs from the requested one, or whose parameters
-follow another layout, is refused by name before any array is read (DESIGN §7).
+Training writes them and inference reads them, so they live here, below both. A checkpoint has a
+`kind` (`KINDS`): a `BACKBONE` holds the whole model (`python -m train`), a `DRAFTER_KIND` the DSpark
+drafter alone (`python -m train.dspark` adapts it on a frozen backbone, SPEC §12); one `save`, one
+`restore` (resuming training) and one `restore_params` (inference) serve both, and a directory holds
+one kind. One step directory holds three orbax items: `params` (the `nnx.State` of
+`model.init_params`, or its `drafter` subtree) and `train` = {opt_state, rng} (array pytrees,
+`StandardSave`; `train` is never empty, even for a stateless optimizer; a drafter may be saved without
+`opt_state`) and `meta` (JSON: the `ModelConfig` as `dataclasses.asdict`, the parameter layout version,
+step, data step and the caller's `extra`; a drafter's also `"kind": "drafter"` and `has_opt_state`,
+while a backbone's names no kind, as before drafters existed). Restoring reads `meta` first, so a
+checkpoint of another kind, whose config (RELEASED and VARIANT fields) differs from the requested one,
+or whose parameters follow another layout, is refused by name before any array is read (DESIGN §7).
+`with_drafter` puts a drafter into full params.
 
 Parameter layout 2 (`LAYOUT`): `{"embed", "groups", "norm", "head"}`, where `groups[g][r]` is run r
 of `layout.layer_groups(cfg)[g]`, every leaf stacked `[iterations, layers of the run, ...]`, and
@@ -152,93 +158,41 @@ def latest_step(directory) -> int | None:
         return mngr.latest_step()
 
 
-def save(directory, step: int, *, params, opt_state, data_step: int, rng, cfg: ModelConfig,
-         extra: dict | None = None, keep: int = 3) -> None:
-    """Save one step synchronously, keeping the newest `keep` steps; an existing `step` is replaced.
-
-    `extra` is JSON (arrays become lists). A directory holding checkpoints of another config is refused.
-    """
-    step = int(step)
-    if keep < 1:
-        raise ValueError(f"save: keep={keep!r}; keep at least the newest checkpoint (keep ≥ 1)")
-    try:
-        extra_json = json.loads(json.dumps(extra or {}, default=_to_json))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"save: extra must be JSON-serializable ({e}); pass numbers, strings, lists and dicts") from e
-    with _manager(directory, keep=keep, create=True) as mngr:
-        latest = mngr.latest_step()
-        if latest is not None:
-            _check_config(_config_from_json(_meta(mngr, latest)["config"], directory), cfg, directory, latest)
-        if step in mngr.all_steps():
-            mngr.delete(step)
-        meta = {"config": _config_to_json(cfg), "layout": LAYOUT, "step": step, "data_step": int(data_step),
-                "extra": extra_json}
-        mngr.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), train=ocp.args.StandardSave({"opt_state": opt_state, "rng": rng}),
-            meta=ocp.args.JsonSave(meta)))
-        mngr.wait_until_finished()
+BACKBONE = "backbone"  # the whole model's params (python -m train)
+DRAFTER_KIND = "drafter"  # the DSpark drafter's subtree alone (python -m train.dspark)
+KINDS = (BACKBONE, DRAFTER_KIND)
+_HOLDS = {BACKBONE: "full-model parameters", DRAFTER_KIND: "a DSpark drafter"}
+_FIX = {BACKBONE: "keep backbones in a directory of their own (python -m train --out DIR) and load drafters with "
+                  f"restore_params(..., kind={DRAFTER_KIND!r})",
+        DRAFTER_KIND: "keep drafters in a directory of their own (python -m train.dspark --out DIR) and load full "
+                      "models with restore_params"}
 
 
-def restore(directory, cfg: ModelConfig, *, params_like, opt_state_like, step: int | None = None) -> dict:
-    """Restore `step` (latest when None): {"step", "params", "opt_state", "data_step", "rng", "extra"}."""
-    _require_dir(directory)
-    with _manager(directory) as mngr:
-        step = _resolve_step(mngr, directory, step)
-        meta = _meta(mngr, step)
-        _check_config(_config_from_json(meta["config"], directory), cfg, directory, step)
-        rng = mngr.item_metadata(step)["train"].tree["rng"]
-        out = _restore_arrays(mngr, directory, step, {
-            "params": params_like,
-            "train": {"opt_state": opt_state_like, "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype)}})
-    return {"step": step, "params": out["params"], "opt_state": out["train"]["opt_state"],
-            "data_step": meta["data_step"], "rng": out["train"]["rng"], "extra": meta["extra"]}
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: a checkpoint holds one of {KINDS}; pass one of them")
 
 
-def load_config(directory, step: int | None = None) -> ModelConfig:
-    """The config stored with `step` (latest when None), rebuilt and validated."""
-    _require_dir(directory)
-    with _manager(directory) as mngr:
-        return _config_from_json(_meta(mngr, _resolve_step(mngr, directory, step))["config"], directory)
-
-
-def restore_params(directory, cfg: ModelConfig | None = None, step: int | None = None) -> tuple[ModelConfig, dict]:
-    """(config, params) of `step` (latest when None) for inference; `cfg` defaults to the stored config."""
-    _require_dir(directory)
-    with _manager(directory) as mngr:
-        step = _resolve_step(mngr, directory, step)
-        stored = _config_from_json(_meta(mngr, step)["config"], directory)
-        cfg = stored if cfg is None else cfg
+def _open(mngr: ocp.CheckpointManager, directory, step: int | None, kind: str,
+          cfg: ModelConfig | None) -> tuple[int, dict, ModelConfig]:
+    """(step, meta, stored config) of `step` (latest when None); refused unless it holds `kind` and, given `cfg`,
+    its config matches `cfg`."""
+    step = _resolve_step(mngr, directory, step)
+    meta = _meta(mngr, step)
+    held = meta.get("kind", BACKBONE)  # a backbone's meta names no kind
+    if held != kind:
+        raise ValueError(f"checkpoint {directory} step {step} holds {_HOLDS.get(held, repr(held))}, not "
+                         f"{_HOLDS[kind]}; {_FIX[kind]}")
+    stored = _config_from_json(meta["config"], directory)
+    if cfg is not None:
         _check_config(stored, cfg, directory, step)
-        params_like = abstract_params(cfg)
-        params = _restore_arrays(mngr, directory, step, {"params": params_like})["params"]
-    return cfg, params
+    return step, meta, stored
 
 
-# ---------------------------------------------------------------------------------------------
-# DSpark drafter checkpoints (SPEC §12)
-#
-# `train.dspark` adapts the drafter on a frozen backbone and saves the drafter alone: the same three
-# orbax items, with `params` = the `drafter` subtree of the model's `nnx.State`, `train` = {rng} and,
-# when given, {opt_state}, and `meta` marked `"kind": "drafter"` (full-model checkpoints carry no kind).
-# The model config is stored and checked exactly as above, so a drafter restored into another config
-# is refused by field name before any array is read. `with_drafter` puts a drafter into full params.
-
-DRAFTER_KIND = "drafter"
-
-
-def _kind(meta: dict) -> str:
-    return meta.get("kind", "model")
-
-
-def _require_drafter(meta: dict, directory, step: int) -> None:
-    if _kind(meta) != DRAFTER_KIND:
-        raise ValueError(f"checkpoint {directory} step {step} holds full-model parameters, not a DSpark drafter; keep "
-                         "drafters in a directory of their own (python -m train.dspark --out DIR) and load full models "
-                         "with restore_params")
-
-
-def _drafter_like(cfg: ModelConfig):
-    """The drafter subtree of `abstract_params(cfg)` (shapes only); ValueError when `cfg` has no drafter."""
+def _params_like(cfg: ModelConfig, kind: str):
+    """The `params` of a `kind` checkpoint of `cfg` (shapes only); ValueError for a drafter of a config without one."""
+    if kind == BACKBONE:
+        return abstract_params(cfg)
     if not cfg.num_nextn_predict_layers:
         raise ValueError("ModelConfig.num_nextn_predict_layers=0: this config has no DSpark drafter to save or "
                          "restore; use a config with num_nextn_predict_layers ≥ 1 (every preset has one)")
@@ -260,87 +214,98 @@ def _check_leaves(got, want, what: str, fix: str) -> None:
         raise ValueError(f"{what}: " + ", ".join(diffs[:5]) + more + f"; {fix}")
 
 
-def save_drafter(directory, step: int, drafter_params, cfg: ModelConfig, *, opt_state=None, rng=None,
-                 data_step: int | None = None, extra: dict | None = None, keep: int = 3) -> None:
-    """Save the drafter (`params["drafter"]`, an `nnx.State`) of `cfg` at `step`, synchronously, keeping the newest
-    `keep` steps; `opt_state` and `rng` (for resuming its training) are optional. Parameters that are not `cfg`'s
-    drafter, or a directory holding full-model checkpoints or another config's, are refused."""
+def save(directory, step: int, *, params, cfg: ModelConfig, kind: str = BACKBONE, opt_state=None, rng=None,
+         data_step: int | None = None, extra: dict | None = None, keep: int = 3) -> None:
+    """Save one step of a `kind` checkpoint synchronously, keeping the newest `keep` steps; an existing `step` is
+    replaced. `params`: the model's (a backbone) or `params["drafter"]` of the model built from `cfg` (a drafter,
+    checked). `opt_state` and `rng` resume training: a backbone always holds an `opt_state`, a drafter may not;
+    `rng` defaults to zeros and `data_step` to `step`. `extra` is JSON (arrays become lists). A directory holding
+    checkpoints of another kind or another config is refused."""
+    _check_kind(kind)
     step = int(step)
     if keep < 1:
-        raise ValueError(f"save_drafter: keep={keep!r}; keep at least the newest checkpoint (keep ≥ 1)")
-    _check_leaves(drafter_params, _drafter_like(cfg), "save_drafter: drafter_params is not this config's drafter",
-                  "pass params['drafter'] of the model built from cfg")
+        raise ValueError(f"save: keep={keep!r}; keep at least the newest checkpoint (keep ≥ 1)")
+    if kind == BACKBONE and opt_state is None:
+        raise ValueError("save: opt_state=None; a backbone checkpoint holds its optimizer state (pass "
+                         "optax.EmptyState() when there is none)")
+    if kind == DRAFTER_KIND:
+        _check_leaves(params, _params_like(cfg, kind), "save: params is not this config's drafter",
+                      "pass params['drafter'] of the model built from cfg")
     try:
         extra_json = json.loads(json.dumps(extra or {}, default=_to_json))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"save_drafter: extra must be JSON-serializable ({e}); pass numbers, strings, lists and "
-                         "dicts") from e
+        raise ValueError(f"save: extra must be JSON-serializable ({e}); pass numbers, strings, lists and dicts") from e
     train = {"rng": jnp.zeros((2,), jnp.uint32) if rng is None else rng}
     if opt_state is not None:
         train["opt_state"] = opt_state
     with _manager(directory, keep=keep, create=True) as mngr:
-        latest = mngr.latest_step()
-        if latest is not None:
-            meta = _meta(mngr, latest)
-            _require_drafter(meta, directory, latest)
-            _check_config(_config_from_json(meta["config"], directory), cfg, directory, latest)
+        if mngr.latest_step() is not None:
+            _open(mngr, directory, None, kind, cfg)
         if step in mngr.all_steps():
             mngr.delete(step)
-        meta = {"config": _config_to_json(cfg), "layout": LAYOUT, "kind": DRAFTER_KIND, "step": step,
-                "data_step": step if data_step is None else int(data_step), "has_opt_state": opt_state is not None,
-                "extra": extra_json}
-        mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(drafter_params),
+        drafter = kind == DRAFTER_KIND  # only a drafter's meta names its kind and whether it has optimizer state
+        meta = {"config": _config_to_json(cfg), "layout": LAYOUT, **({"kind": kind} if drafter else {}), "step": step,
+                "data_step": step if data_step is None else int(data_step),
+                **({"has_opt_state": opt_state is not None} if drafter else {}), "extra": extra_json}
+        mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                 train=ocp.args.StandardSave(train), meta=ocp.args.JsonSave(meta)))
         mngr.wait_until_finished()
 
 
-def _open_drafter(mngr: ocp.CheckpointManager, directory, cfg: ModelConfig, step: int | None) -> tuple[int, dict]:
-    """(step, meta) of a drafter checkpoint whose config matches `cfg`."""
-    step = _resolve_step(mngr, directory, step)
-    meta = _meta(mngr, step)
-    _require_drafter(meta, directory, step)
-    _check_config(_config_from_json(meta["config"], directory), cfg, directory, step)
-    return step, meta
+def restore(directory, cfg: ModelConfig, *, params_like, opt_state_like, kind: str = BACKBONE,
+            step: int | None = None) -> dict:
+    """Resume training from the `kind` checkpoint at `step` (latest when None): {"step", "params", "opt_state",
+    "data_step", "rng", "extra"}; the checkpoint must hold an optimizer state."""
+    _check_kind(kind)
+    _require_dir(directory)
+    with _manager(directory) as mngr:
+        step, meta, _ = _open(mngr, directory, step, kind, cfg)
+        if not meta.get("has_opt_state", True):
+            raise ValueError(f"checkpoint {directory} step {step}: the {kind} was saved without optimizer state, so "
+                             "its training cannot resume; start a new run or use restore_params")
+        rng = mngr.item_metadata(step)["train"].tree["rng"]
+        out = _restore_arrays(mngr, directory, step, {
+            "params": params_like,
+            "train": {"opt_state": opt_state_like, "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype)}})
+    return {"step": step, "params": out["params"], "opt_state": out["train"]["opt_state"],
+            "data_step": meta["data_step"], "rng": out["train"]["rng"], "extra": meta["extra"]}
 
 
-def check_drafter_dir(directory, cfg: ModelConfig) -> None:
-    """Before a run writes drafter checkpoints of `cfg` to `directory`: ValueError if its newest checkpoint is a
-    full model's or another config's (nothing is read when the directory holds none)."""
+def load_config(directory, step: int | None = None) -> ModelConfig:
+    """The config stored with `step` (latest when None), rebuilt and validated."""
+    _require_dir(directory)
+    with _manager(directory) as mngr:
+        return _config_from_json(_meta(mngr, _resolve_step(mngr, directory, step))["config"], directory)
+
+
+def restore_params(directory, cfg: ModelConfig | None = None, step: int | None = None, *,
+                   kind: str = BACKBONE) -> tuple[ModelConfig, Any]:
+    """(config, params) of the `kind` checkpoint at `step` (latest when None) for inference, bit-identical: the
+    model's params, or the drafter's `nnx.State` (put it into full params with `with_drafter`). `cfg` defaults to
+    the stored config; a given one must match it (ValueError naming every differing field)."""
+    _check_kind(kind)
+    _require_dir(directory)
+    like = None if cfg is None else _params_like(cfg, kind)  # a config without a drafter is refused before any read
+    with _manager(directory) as mngr:
+        step, _, stored = _open(mngr, directory, step, kind, cfg)
+        cfg = stored if cfg is None else cfg
+        like = _params_like(cfg, kind) if like is None else like
+        params = _restore_arrays(mngr, directory, step, {"params": like})["params"]
+    return cfg, params
+
+
+def check_dir(directory, cfg: ModelConfig, kind: str) -> None:
+    """Before a run writes `kind` checkpoints of `cfg` to `directory`: ValueError if its newest checkpoint is of
+    another kind or another config (nothing is read when the directory holds none)."""
+    _check_kind(kind)
     if latest_step(directory) is None:
         return
     with _manager(directory) as mngr:
-        step = mngr.latest_step()
-        meta = _meta(mngr, step)
-        _require_drafter(meta, directory, step)
-        _check_config(_config_from_json(meta["config"], directory), cfg, directory, step)
+        _open(mngr, directory, None, kind, cfg)
 
 
-def restore_drafter(directory, cfg: ModelConfig, step: int | None = None):
-    """The drafter `nnx.State` saved at `step` (latest when None), bit-identical; its config must match `cfg`
-    (ValueError naming every differing field). Put it into full params with `with_drafter`."""
-    _require_dir(directory)
-    like = _drafter_like(cfg)
-    with _manager(directory) as mngr:
-        step, _ = _open_drafter(mngr, directory, cfg, step)
-        return _restore_arrays(mngr, directory, step, {"params": like})["params"]
-
-
-def restore_drafter_training(directory, cfg: ModelConfig, *, opt_state_like, step: int | None = None) -> dict:
-    """Resume a drafter's training: {"step", "drafter", "opt_state", "data_step", "rng", "extra"} of `step`
-    (latest when None); the checkpoint must have been saved with an `opt_state`."""
-    _require_dir(directory)
-    like = _drafter_like(cfg)
-    with _manager(directory) as mngr:
-        step, meta = _open_drafter(mngr, directory, cfg, step)
-        if not meta.get("has_opt_state"):
-            raise ValueError(f"checkpoint {directory} step {step}: the drafter was saved without optimizer state, so "
-                             "its training cannot resume; start a new run or use restore_drafter")
-        rng = mngr.item_metadata(step)["train"].tree["rng"]
-        out = _restore_arrays(mngr, directory, step, {
-            "params": like, "train": {"opt_state": opt_state_like, "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype)}})
-    return {"step": step, "drafter": out["params"], "opt_state": out["train"]["opt_state"],
-            "data_step": meta["data_step"], "rng": out["train"]["rng"], "extra": meta["extra"]}
-
+# ---------------------------------------------------------------------------------------------
+# DSpark drafters in full params (SPEC §12)
 
 def _key_name(k) -> str:
     for attr in ("key", "idx", "name"):
@@ -359,8 +324,9 @@ DRAFTER_FIELDS = ("num_nextn_predict_layers",)  # the drafter's own shape: one b
 
 
 def with_drafter(params, drafter, cfg: ModelConfig | None = None):
-    """Full model `params` (`nnx.State`) with the `drafter` subtree replaced by `drafter` (e.g. `restore_drafter`'s),
-    in the pytree structure of `params`, so jitted inference sees the same arguments and does not retrace.
+    """Full model `params` (`nnx.State`) with the `drafter` subtree replaced by `drafter` (e.g. a drafter
+    checkpoint's), in the pytree structure of `params`, so jitted inference sees the same arguments and does not
+    retrace.
 
     With `cfg`, the result has `cfg`'s structure instead: `cfg` may differ from the config of `params` in
     `DRAFTER_FIELDS` (a drafter of three stages on a backbone trained with one). Every variable must match its
@@ -409,4 +375,5 @@ def restore_with_drafter(backbone_dir, drafter_dir, cfg: ModelConfig | None = No
                          + f"; a drafter may change only {DRAFTER_FIELDS}: adapt it on this backbone "
                          "(python -m train.dspark --backbone ...)")
     _, params = restore_params(backbone_dir, cfg.replace(**{f: getattr(stored, f) for f in DRAFTER_FIELDS}), step)
-    return cfg, with_drafter(params, restore_drafter(drafter_dir, cfg, drafter_step), cfg)
+    _, drafter = restore_params(drafter_dir, cfg, drafter_step, kind=DRAFTER_KIND)
+    return cfg, with_drafter(params, drafter, cfg)

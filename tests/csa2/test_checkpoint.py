@@ -11,7 +11,7 @@ from flax import nnx
 
 from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
-from csa2.model import abstract_params
+from csa2.model import DRAFTER, abstract_params
 from csa2.moe import RouterBias
 from csa2.presets import preset
 
@@ -220,3 +220,30 @@ def test_stateless_optimizer_and_bad_arguments(tmp_path):
         checkpoint.save(tmp_path, 2, params=params, opt_state=opt_state, data_step=2, rng=jax.random.PRNGKey(2),
                         cfg=CFG, keep=0)
     assert checkpoint.latest_step(tmp_path) == 1
+
+
+def test_a_directory_holds_one_kind(tmp_path):
+    """A drafter checkpoint names its kind (a backbone's names none, the format from before drafters); each kind
+    is refused where the other is asked for or already saved, and an unknown kind is refused by name."""
+    drafter = random_like(abstract_params(CFG)[DRAFTER], 2)
+    checkpoint.save(tmp_path / "drafter", 1, params=drafter, cfg=CFG, kind=checkpoint.DRAFTER_KIND)
+    meta = json.loads((tmp_path / "drafter" / "1" / "meta" / "metadata").read_text())
+    assert (meta["kind"], meta["has_opt_state"], meta["data_step"]) == ("drafter", False, 1)
+    _, got = checkpoint.restore_params(tmp_path / "drafter", kind=checkpoint.DRAFTER_KIND)
+    assert_bit_identical(got, drafter)
+    with pytest.raises(ValueError, match="holds a DSpark drafter, not full-model parameters"):
+        checkpoint.restore_params(tmp_path / "drafter")
+    with pytest.raises(ValueError, match="holds a DSpark drafter"):
+        checkpoint.save(tmp_path / "drafter", 2, params=small_tree(2), opt_state=(), cfg=CFG)
+    with pytest.raises(ValueError, match="saved without optimizer state"):
+        checkpoint.restore(tmp_path / "drafter", CFG, kind=checkpoint.DRAFTER_KIND, params_like=drafter,
+                           opt_state_like=())
+    save_small(tmp_path / "backbone", 1)
+    assert "kind" not in json.loads((tmp_path / "backbone" / "1" / "meta" / "metadata").read_text())
+    with pytest.raises(ValueError, match="holds full-model parameters, not a DSpark drafter"):
+        checkpoint.check_dir(tmp_path / "backbone", CFG, checkpoint.DRAFTER_KIND)
+    with pytest.raises(ValueError, match="opt_state=None"):
+        checkpoint.save(tmp_path / "backbone", 2, params=small_tree(2), cfg=CFG)
+    with pytest.raises(ValueError, match="kind='model'"):
+        checkpoint.save(tmp_path / "other", 1, params=small_tree(1), opt_state=(), cfg=CFG, kind="model")
+    assert checkpoint.latest_step(tmp_path / "backbone") == 1 and checkpoint.latest_step(tmp_path / "other") is None

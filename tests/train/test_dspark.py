@@ -197,7 +197,7 @@ def test_resume_is_bit_identical(adapted, mini_params, tmp_path):
 def test_drafter_checkpoint_round_trip(adapted, mini_params, tmp_path):
     out, params, _ = adapted
     assert checkpoint.latest_step(out) == 3
-    drafter = checkpoint.restore_drafter(out, CFG)
+    _, drafter = checkpoint.restore_params(out, CFG, kind=checkpoint.DRAFTER_KIND)
     want = params[model.DRAFTER]
     assert jax.tree_util.tree_structure(drafter) == jax.tree_util.tree_structure(want)
     for a, b in zip(_values(drafter), _values(want)):
@@ -208,18 +208,19 @@ def test_drafter_checkpoint_round_trip(adapted, mini_params, tmp_path):
         np.testing.assert_array_equal(a, b)
 
     with pytest.raises(ValueError, match="sliding_window"):
-        checkpoint.restore_drafter(out, CFG.replace(sliding_window=8))
+        checkpoint.restore_params(out, CFG.replace(sliding_window=8), kind=checkpoint.DRAFTER_KIND)
     with pytest.raises(ValueError, match="dspark_markov_rank"):
-        checkpoint.restore_drafter(out, CFG.replace(dspark_markov_rank=8))
+        checkpoint.restore_params(out, CFG.replace(dspark_markov_rank=8), kind=checkpoint.DRAFTER_KIND)
     with pytest.raises(ValueError, match="sliding_window"):  # a run holds one config
-        checkpoint.save_drafter(out, 4, drafter, CFG.replace(sliding_window=8))
+        checkpoint.save(out, 4, params=drafter, cfg=CFG.replace(sliding_window=8), kind=checkpoint.DRAFTER_KIND)
     with pytest.raises(ValueError, match="markov_embed"):  # the parameters must be the config's drafter
-        checkpoint.save_drafter(tmp_path / "other", 1, drafter, CFG.replace(dspark_markov_rank=8))
+        checkpoint.save(tmp_path / "other", 1, params=drafter, cfg=CFG.replace(dspark_markov_rank=8),
+                        kind=checkpoint.DRAFTER_KIND)
     full = tmp_path / "backbone"
     checkpoint.save(full, 1, params=mini_params, opt_state={"count": jnp.zeros((), jnp.int32)}, data_step=0,
                     rng=jax.random.PRNGKey(0), cfg=CFG)
     with pytest.raises(ValueError, match="full-model parameters"):
-        checkpoint.restore_drafter(full, CFG)
+        checkpoint.restore_params(full, CFG, kind=checkpoint.DRAFTER_KIND)
     with pytest.raises(ValueError, match="full-model parameters"):  # refused before any step runs
         dspark.adapt(CFG, mini_params, load_corpus().train, DC, full, log=lambda _: None)
 
@@ -235,11 +236,11 @@ def test_bad_inputs_are_refused(mini_params, tmp_path, capsys):
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
         dspark.adapt(no_drafter, mini_params, load_corpus().train, DC, tmp_path / "x", log=lambda _: None)
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
-        checkpoint.restore_drafter(tmp_path, no_drafter)
+        checkpoint.restore_params(tmp_path, no_drafter, kind=checkpoint.DRAFTER_KIND)
     with pytest.raises(ValueError, match="DSparkTrainConfig"):
         dspark.adapt(CFG, mini_params, load_corpus().train, {"steps": 3}, tmp_path / "x", log=lambda _: None)
     with pytest.raises(ValueError, match="does not exist"):
-        checkpoint.restore_drafter(tmp_path / "missing", CFG)
+        checkpoint.restore_params(tmp_path / "missing", CFG, kind=checkpoint.DRAFTER_KIND)
 
     missing = tmp_path / "no_backbone"
     assert dspark.main(["--backbone", str(missing), "--steps", "1"]) == 2
@@ -301,7 +302,7 @@ def test_a_drafter_of_three_stages_on_a_backbone_trained_with_one(mini_params, t
     backbone, drafter = tmp_path / "backbone", tmp_path / "drafter"
     checkpoint.save(backbone, 1, params=mini_params, opt_state={"count": jnp.zeros((), jnp.int32)}, data_step=0,
                     rng=jax.random.PRNGKey(0), cfg=CFG)
-    checkpoint.save_drafter(drafter, 1, params3[model.DRAFTER], cfg3)
+    checkpoint.save(drafter, 1, params=params3[model.DRAFTER], cfg=cfg3, kind=checkpoint.DRAFTER_KIND)
     cfg, params = checkpoint.restore_with_drafter(backbone, drafter)
     assert cfg == cfg3
     for a, b in zip(_values(params), _values(params3)):
@@ -312,6 +313,7 @@ def test_a_drafter_of_three_stages_on_a_backbone_trained_with_one(mini_params, t
     with pytest.raises(ValueError, match="with_drafter: .*stages"):  # a 3-stage drafter into 1-stage params
         checkpoint.with_drafter(mini_params, params3[model.DRAFTER])
     other = tmp_path / "other"
-    checkpoint.save_drafter(other, 1, mini_params[model.DRAFTER], CFG.replace(sliding_window=8))
+    checkpoint.save(other, 1, params=mini_params[model.DRAFTER], cfg=CFG.replace(sliding_window=8),
+                    kind=checkpoint.DRAFTER_KIND)
     with pytest.raises(ValueError, match="sliding_window 16 vs 8"):  # only the stage count is the drafter's
         checkpoint.restore_with_drafter(backbone, other)
