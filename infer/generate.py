@@ -69,13 +69,16 @@ class GenerateResult(NamedTuple):
     state: State
 
 
+NO_EOS = -1  # the `eos_id` of a plan that never stops early: no token id equals it
+
+
 class Plan(NamedTuple):
     """A validated, bucketed batch: the traced inputs of `generate_loop` and its static arguments."""
 
     tokens: np.ndarray  # [B, bucket] int32, PAD after each row's prompt
     n_valid: np.ndarray  # [B] int32 prompt lengths
     key: Array  # PRNG key of the seed
-    eos_id: int  # −1 = no EOS
+    eos_id: int  # NO_EOS = never stop early
     temperature: float
     top_p: float
     capacity: int
@@ -213,7 +216,7 @@ def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampli
     for i, row in enumerate(rows):
         tokens[i, :row.size] = row
     return Plan(tokens=tokens, n_valid=np.array([row.size for row in rows], np.int32),
-                key=jax.random.PRNGKey(seed), eos_id=-1 if eos_id is None else int(eos_id),
+                key=jax.random.PRNGKey(seed), eos_id=NO_EOS if eos_id is None else int(eos_id),
                 temperature=float(sampling.temperature), top_p=float(sampling.top_p), capacity=capacity,
                 max_new_tokens=int(max_new_tokens), replay=replay, cache_format=cache_format)
 

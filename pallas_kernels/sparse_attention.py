@@ -67,16 +67,22 @@ def _finish(carry, sink, out_refs) -> None:
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: int):
-    """GPU (Triton) and the generic interpreter: vector-indexed loads gather the rows."""
-    it = iter(refs)
-    q_ref, sink_ref = next(it), next(it)
+def _buffer_refs(it, packed_main: bool, packed_win: bool) -> tuple:
+    """The next refs of `it`: main payload, its scale (None when float), main ids, then the window's three."""
     main_ref = next(it)
     main_scale_ref = next(it) if packed_main else None
     main_idx_ref = next(it)
     win_ref = next(it)
     win_scale_ref = next(it) if packed_win else None
-    win_idx_ref = next(it)
+    return main_ref, main_scale_ref, main_idx_ref, win_ref, win_scale_ref, next(it)
+
+
+def _kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_w: int):
+    """GPU (Triton) and the generic interpreter: vector-indexed loads gather the rows."""
+    it = iter(refs)
+    q_ref, sink_ref = next(it), next(it)
+    main_ref, main_scale_ref, main_idx_ref, win_ref, win_scale_ref, win_idx_ref = _buffer_refs(it, packed_main,
+                                                                                               packed_win)
     out_refs = list(it)
 
     q = q_ref[...].astype(jnp.float32)  # [BH, D]
@@ -319,12 +325,8 @@ def _bwd_kernel(*refs, packed_main: bool, packed_win: bool, block_k: int, block_
     """GPU (Triton) and the generic interpreter."""
     it = iter(refs)
     q_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(4))
-    main_ref = next(it)
-    main_scale_ref = next(it) if packed_main else None
-    main_idx_ref = next(it)
-    win_ref = next(it)
-    win_scale_ref = next(it) if packed_win else None
-    win_idx_ref = next(it)
+    main_ref, main_scale_ref, main_idx_ref, win_ref, win_scale_ref, win_idx_ref = _buffer_refs(it, packed_main,
+                                                                                               packed_win)
     dq_ref, dmain_ref, dwin_ref = it
 
     q = q_ref[...].astype(jnp.float32)  # [BH, D]
