@@ -8,9 +8,10 @@ from pathlib import Path
 
 import jax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec
 
-from csa2 import sharding
+from csa2 import model, sharding
 from csa2.config import PRESETS, preset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,9 +19,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_parameter_of_every_preset_has_a_rule(name):
+    """Each parameter's spec maps every logical axis it declares through the preset's rules table, one entry per
+    dimension; heads and experts are split (over `tensor`, `expert`) in every preset."""
     mesh = sharding.make_mesh({})
-    specs = sharding.param_shardings(preset(name), mesh, sharding.rules_for(name))
-    assert all(isinstance(s.spec, PartitionSpec) for s in jax.tree.leaves(specs))
+    rules = sharding.rules_for(name)
+    cfg = preset(name)
+    shardings = sharding.param_shardings(cfg, mesh, rules)
+    abstract = model.abstract_params(cfg)
+    declared = nnx.to_pure_dict(nnx.get_partition_spec(abstract))
+    shapes = nnx.to_pure_dict(abstract)
+    got = jax.tree.leaves(shardings)
+    axes = jax.tree.leaves(declared, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    assert len(got) == len(axes) == len(jax.tree.leaves(shapes))
+    for sharded, logical, shape in zip(got, axes, jax.tree.leaves(shapes)):
+        assert len(logical) == shape.ndim, (logical, shape.shape)
+        assert sharded.mesh == mesh
+        assert sharded.spec == PartitionSpec(*(None if a is None else rules[a] for a in logical)), (logical, sharded)
+    used = {t for s in got for t in s.spec if t is not None}
+    assert {"tensor", "expert"} <= used, used
 
 
 def test_the_released_model_splits_over_the_documented_axes():
