@@ -52,6 +52,16 @@ def tiny_params():
     return model.init_params(preset("tiny"), jax.random.PRNGKey(1))
 
 
+@pytest.fixture
+def mutant(monkeypatch):
+    """A monkeypatch for planting a mutant: csa2's jitted entry points see its changes (fresh traces), and they
+    are dropped again afterwards (the programs traced under the mutant with them)."""
+    jax.clear_caches()
+    yield monkeypatch
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def fresh_compile_caches():
     """Each test module drops its compiled programs when it ends (a later module that needs one again loads it
