@@ -238,9 +238,9 @@ def test_small_replay_window_keeps_global_kv_and_bounds_decoder_work(mini_params
     assert np.isfinite(np.asarray(out)).all()
 
 
-def test_release_replay_saves_the_reported_token_layer_work_at_8k():
+def test_release_replay_saves_the_reported_token_layer_work_at_8k(v41_flash):
     """The V4.1 report's 46.76 % at 8K: SGLang's split (layer 20 whole on every row, tails from 21), R = 128."""
-    cfg = preset("v41_flash")
+    cfg = v41_flash
     saving = 1 - token_layers(cfg, ReplayPolicy(window=128, split_layer=21), 8192) / token_layers(cfg, EXACT, 8192)
     assert round(100 * saving, 2) == 46.76
 

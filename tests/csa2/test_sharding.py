@@ -39,11 +39,11 @@ def test_every_parameter_of_every_preset_has_a_rule(name):
     assert {"tensor", "expert"} <= used, used
 
 
-def test_the_released_model_splits_over_the_documented_axes():
+def test_the_released_model_splits_over_the_documented_axes(v41_flash):
     """Specs alone (an abstract 8-device mesh): heads, vocab, expert width over `tensor`, experts over `expert`."""
     mesh = jax.sharding.AbstractMesh((1, 8, 8), sharding.MESH_AXES)
     rules = sharding.rules_for("v41_flash")
-    cfg = preset("v41_flash")
+    cfg = v41_flash
     assert sharding.spec(("groups", "layers", "q_lora", "heads"), (1, 1, 1280, 32768), mesh, rules, "wq_b") == \
         PartitionSpec(None, None, None, "tensor")
     assert sharding.spec(("experts", "embed", "mlp"), (384, 5120, 2304), mesh, rules, "w1") == \
@@ -74,7 +74,7 @@ def test_bad_meshes_are_refused(shape, message):
         sharding.make_mesh(shape)
 
 
-def test_bad_rules_are_refused_by_parameter_and_axis():
+def test_bad_rules_are_refused_by_parameter_and_axis(mini):
     mesh = jax.sharding.AbstractMesh((1, 2, 8), sharding.MESH_AXES)
     rules = sharding.rules_for("mini")
     with pytest.raises(ValueError, match=r"wq_b: logical axis 'nope' has no rule"):
@@ -89,7 +89,7 @@ def test_bad_rules_are_refused_by_parameter_and_axis():
         sharding.rules_for("huge")
     with pytest.raises(ValueError, match=r"'mlp' → 'expert', but the MoE's expert-parallel shard_map reads 'mlp' on "
                                          r"mesh axis 'tensor'; map it to 'tensor' or None"):
-        sharding.param_shardings(preset("mini"), sharding.make_mesh({}), {**rules, "mlp": "expert"})
+        sharding.param_shardings(mini, sharding.make_mesh({}), {**rules, "mlp": "expert"})
 
 
 EXPERT_PARALLEL = textwrap.dedent("""
