@@ -1,5 +1,6 @@
-"""Shared test setup: float32 numerics at full matmul precision (DESIGN §6), session-wide parameters so each
-preset's `init_params` compiles once per test run, one persistent compilation cache per run, and XLA:CPU
+"""Shared test setup: float32 numerics at full matmul precision (DESIGN §6), one session fixture per preset that
+tests build (`mini`, `tiny`, `v41_flash`) and session-wide parameters so each preset's `init_params` compiles once
+per test run, a `mutant` monkeypatch for planted mutants, one persistent compilation cache per run, and XLA:CPU
 code generation at -O0.
 
 -O0 (`--xla_backend_optimization_level=0`, unless XLA_FLAGS already sets a level): the suite is bound by compile
@@ -43,13 +44,39 @@ from csa2.presets import preset  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def mini_params():
-    return model.init_params(preset("mini"), jax.random.PRNGKey(0))
+def mini():
+    """The `mini` preset (a test that needs another config takes `mini.replace(...)`)."""
+    return preset("mini")
 
 
 @pytest.fixture(scope="session")
-def tiny_params():
-    return model.init_params(preset("tiny"), jax.random.PRNGKey(1))
+def tiny():
+    return preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def v41_flash():
+    return preset("v41_flash")
+
+
+@pytest.fixture(scope="session")
+def mini_params(mini):
+    return model.init_params(mini, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny):
+    return model.init_params(tiny, jax.random.PRNGKey(1))
+
+
+@pytest.fixture
+def mutant(monkeypatch):
+    """A monkeypatch for planting a mutant: csa2's jitted entry points see its changes (fresh traces), and they
+    are dropped again afterwards (the programs traced under the mutant with them)."""
+    jax.clear_caches()
+    yield monkeypatch
+    monkeypatch.undo()
+    jax.clear_caches()
 
 
 @pytest.fixture(autouse=True, scope="module")

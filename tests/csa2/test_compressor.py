@@ -331,10 +331,9 @@ def test_bad_shapes_raise():
 
 @pytest.mark.cross_shape
 @pytest.mark.parametrize("cache_format", ["float", "fp4"])
-def test_writes_only_its_slot_of_a_stack(cache_format):
+def test_writes_only_its_slot_of_a_stack(tiny, cache_format):
     """Source 1 of tiny's 3-source ratio-2 stack gets exactly the entries a lone source gets; sources 0 and 2
     (filled with other data) keep every bit; the slot may be traced."""
-    tiny = preset("tiny")
     assert (tiny.head_dim, tiny.index_head_dim, tiny.hidden_size) == (D, DI, HIDDEN)
     stack = init_state(tiny, 3, CAPACITY, cache_format).global_kv[0]
     assert stack.kv.payload.shape[1] == 3

@@ -291,10 +291,10 @@ def test_bad_input_names_the_argument():
         E.engram(cfg, {**params, "wkv": params["wkv"][:-1]}, X, rows)
 
 
-def test_packed_table_gathers_then_decodes_the_same_rows_as_its_float_decoding():
+def test_packed_table_gathers_then_decodes_the_same_rows_as_its_float_decoding(mini):
     """`engram_table_format="fp8"`: the layer's output equals the float layer's whose table is the packed table
     decoded whole (only the gathered rows are decoded)."""
-    cfg = preset("mini").replace(engram_head_dim=32, engram_table_format="fp8")
+    cfg = mini.replace(engram_head_dim=32, engram_table_format="fp8")
     layer = cfg.engram_layer_ids[0]
     packed = nnx.to_pure_dict(nnx.state(E.Engram(cfg, layer, nnx.Rngs(0))))
     assert packed["table"].dtype == jnp.uint8 and packed["table_scale"].shape == (packed["table"].shape[0], 1)

@@ -32,8 +32,8 @@ def test_a_tokenizer_of_distinct_keys_gives_the_identity(tmp_path):
     np.testing.assert_array_equal(engram_vocab.from_tokenizer(tmp_path / "tokenizer.json"), [0, 1, 2, 3])
 
 
-def test_the_tokenizer_must_fit_the_config():
-    cfg = preset("mini").replace(vocab_size=12, engram_compressed_vocab_size=7, engram_pad_id=0, dspark_noise_token_id=0)
+def test_the_tokenizer_must_fit_the_config(mini):
+    cfg = mini.replace(vocab_size=12, engram_compressed_vocab_size=7, engram_pad_id=0, dspark_noise_token_id=0)
     words = ["Hello", "hello", " HELLO", "Ünïcode", "unicode", "\t\n", " ", "ﬁ", "fi", "A\ufffd", "a\ufffd", "<unk>"]
     np.testing.assert_array_equal(engram_vocab.from_tokenizer(word_tokenizer(words), cfg)[:3], [0, 0, 0])
     with pytest.raises(ValueError, match=r"7 distinct; the hash multipliers assume exactly engram_compressed_vocab_size=6"):
@@ -42,13 +42,13 @@ def test_the_tokenizer_must_fit_the_config():
         engram_vocab.from_tokenizer(word_tokenizer(words), cfg.replace(vocab_size=13))
 
 
-def test_which_models_hold_a_table_and_the_default_one():
-    assert not engram_vocab.has_table(preset("tiny")) and not engram_vocab.has_table(preset("mini"))
-    assert engram_vocab.has_table(preset("v41_flash")) and engram_vocab.has_table(CFG)
+def test_which_models_hold_a_table_and_the_default_one(mini, tiny, v41_flash):
+    assert not engram_vocab.has_table(tiny) and not engram_vocab.has_table(mini)
+    assert engram_vocab.has_table(v41_flash) and engram_vocab.has_table(CFG)
     table = engram_vocab.default_table(CFG)
     np.testing.assert_array_equal(table[:200], np.arange(200))
     assert set(table[200:].tolist()) == {CFG.engram_pad_id}
-    assert engram_vocab.PARAM not in nnx.to_pure_dict(model.abstract_params(preset("mini")))
+    assert engram_vocab.PARAM not in nnx.to_pure_dict(model.abstract_params(mini))
     assert type(model.abstract_params(CFG)[engram_vocab.PARAM]) is engram_vocab.CompressedVocab
     leaf = nnx.to_pure_dict(model.abstract_params(CFG))[engram_vocab.PARAM]
     assert leaf.dtype == np.int32 and leaf.shape == (259,)

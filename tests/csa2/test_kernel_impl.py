@@ -21,6 +21,7 @@ from csa2.index_loss import IndexLoss
 from csa2.layout import kv_stacks
 from csa2.presets import preset
 from csa2.state import init_state
+from pallas_kernels import ops, reference
 from tests.csa2.attention_stack import init_stack, run_stack
 
 XLA = preset("mini")
@@ -67,21 +68,21 @@ def test_attention_stack_matches_xla(fmt, quantize, base):
     np.testing.assert_allclose(outs["pallas"][1], outs["xla"][1], rtol=1e-5, atol=1e-5)
 
 
-def test_model_prefill_and_decode_match_xla(mini_params):
-    params = mini_params
+def _prefill_and_decode(cfg, params):
+    """Logits [B, 9, V] of a 12-token prefill and 8 decode steps."""
     prompt = jax.random.randint(jax.random.PRNGKey(2), (B, 12), 0, 256, jnp.int32)
     steps = jax.random.randint(jax.random.PRNGKey(3), (8, B), 0, 256, jnp.int32)
+    # prefill / decode_step donate the state: each run starts from its own fresh one.
+    logits, state, _ = model.prefill(cfg, params, init_state(cfg, B, CAP, "fp4"), prompt)
+    seq = [logits]
+    for tokens in steps:
+        logits, state = model.decode_step(cfg, params, state, tokens)
+        seq.append(logits)
+    return jnp.stack(seq, 1)
 
-    def run(cfg):
-        # prefill / decode_step donate the state: each run starts from its own fresh one.
-        logits, state, _ = model.prefill(cfg, params, init_state(cfg, B, CAP, "fp4"), prompt)
-        seq = [logits]
-        for tokens in steps:
-            logits, state = model.decode_step(cfg, params, state, tokens)
-            seq.append(logits)
-        return jnp.stack(seq, 1)  # [B, 9, V]
 
-    logits = _both_impls(run)
+def test_model_prefill_and_decode_match_xla(mini_params):
+    logits = _both_impls(lambda cfg: _prefill_and_decode(cfg, mini_params))
     np.testing.assert_allclose(logits["pallas"], logits["xla"], rtol=1e-4, atol=1e-4)
 
 
@@ -113,3 +114,38 @@ def test_forward_gradient_with_index_loss_matches_xla(mini_params):
         assert np.linalg.norm(a - b) <= 1e-4 * scale, (path, np.linalg.norm(a - b), scale)
         indexer_grads += "indexer" in path and scale > 0
     assert indexer_grads > 0  # the indexer weights get their gradient from the KL loss alone
+
+
+# ---------------------------------------------------------------------------------------------
+# Planted mutants: a "pallas" backend that differs from the reference must fail the comparison above, by far
+# more than its tolerance. The mutant backend is the reference with one change (the Pallas interpreter would
+# only add minutes): every op of the table's "pallas" column is replaced (the `mutant` fixture: conftest).
+
+def _dropped_sink(q, sink, main, main_idx, window, window_idx):
+    """The sink left out of the softmax's denominator."""
+    return reference.sparse_attention(q, jnp.full_like(sink, -jnp.inf), main, main_idx, window, window_idx)
+
+
+def _window_without_its_newest_row(q, sink, main, main_idx, window, window_idx):
+    """The window one row short at its top (t − W + 1 … t − 1: the token's own KV left out; oldest first)."""
+    return reference.sparse_attention(q, sink, main, main_idx, window, window_idx.at[..., -1].set(-1))
+
+
+@pytest.fixture(scope="module")
+def xla_logits(mini_params):
+    return np.asarray(_prefill_and_decode(XLA, mini_params))
+
+
+@pytest.mark.parametrize("sparse_attention", [reference.sparse_attention, _dropped_sink,
+                                              _window_without_its_newest_row],
+                         ids=["control", "dropped_sink", "window_short"])
+def test_mutant_backend_is_caught(mini_params, xla_logits, mutant, sparse_attention):
+    for op, impls in ops.BACKENDS.items():
+        mutant.setitem(impls, "pallas", sparse_attention if op == "sparse_attention" else impls["xla"])
+    err = float(np.abs(np.asarray(_prefill_and_decode(XLA.replace(kernel_impl="pallas"), mini_params))
+                       - xla_logits).max())
+    print(f"\nbackend {sparse_attention.__name__}: max |Δ logits| {err:.2e}")
+    if sparse_attention is reference.sparse_attention:  # the control: the harness itself changes nothing
+        assert err == 0.0
+    else:
+        assert err > 100 * 1e-4

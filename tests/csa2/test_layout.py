@@ -74,13 +74,13 @@ def _check(plan, expected):
         assert tuple(getattr(spec, f) for f in FIELDS) == row, f"layer {i}"
 
 
-def test_v41_flash_plan_table():
-    _check(layer_plan(preset("v41_flash")), V41_PLAN)
+def test_v41_flash_plan_table(v41_flash):
+    _check(layer_plan(v41_flash), V41_PLAN)
 
 
-def test_v41_flash_plan_summary():
+def test_v41_flash_plan_summary(v41_flash):
     """Cross-check of the table against SPEC §2's prose."""
-    plan = layer_plan(preset("v41_flash"))
+    plan = layer_plan(v41_flash)
     by_role = {r: [s.index for s in plan if s.role == r] for r in ("swa", "full", "reindex", "reuse")}
     assert by_role["swa"] == [0, 1]
     assert by_role["full"] == [2, 8, 14, 20]
@@ -95,13 +95,13 @@ def test_v41_flash_plan_summary():
             assert s.index_source == max(k for k in (2, 8, 14, 20, 24, 28, 32, 36) if k <= s.index)
 
 
-def test_mini_plan_table():
-    _check(layer_plan(preset("mini")), MINI_PLAN)
+def test_mini_plan_table(mini):
+    _check(layer_plan(mini), MINI_PLAN)
 
 
-def test_tiny_has_the_released_plan():
-    assert layer_plan(preset("tiny")) == layer_plan(preset("v41_flash"))
-    _check(layer_plan(preset("tiny")), V41_PLAN)
+def test_tiny_has_the_released_plan(tiny, v41_flash):
+    assert layer_plan(tiny) == layer_plan(v41_flash)
+    _check(layer_plan(tiny), V41_PLAN)
 
 
 @pytest.mark.parametrize("name,reindex", [("v41_flash", [24, 28, 32, 36]), ("mini", [6])])
@@ -118,16 +118,16 @@ def test_disabled_candidate_source(name, reindex):
                (b.role, b.ratio, b.kv_source, b.index_source, b.is_encoder, b.has_engram)
 
 
-def test_candidate_source_at_a_reindex_layer_constrains_only_later_reindex_layers():
-    plan = layer_plan(preset("v41_flash").replace(candidate_source_layer_id=28))
+def test_candidate_source_at_a_reindex_layer_constrains_only_later_reindex_layers(v41_flash):
+    plan = layer_plan(v41_flash.replace(candidate_source_layer_id=28))
     assert [s.index for s in plan if s.is_candidate_source] == [28]
     assert [s.index for s in plan if s.uses_candidates] == [32, 36]
     assert plan[28].role == "reindex" and not plan[28].uses_candidates
 
 
-def test_reindex_in_another_kv_group_does_not_use_candidates():
+def test_reindex_in_another_kv_group_does_not_use_candidates(v41_flash):
     """Candidates index one group's Global KV; a Reindex layer of a different KV group cannot use them."""
-    cfg = preset("v41_flash").replace(
+    cfg = v41_flash.replace(
         index_source_layer_ids=(2, 5, 8, 14, 20, 24, 28, 32, 36))
     plan = layer_plan(cfg)
     assert plan[5].role == "reindex" and plan[5].kv_source == 2 and plan[5].index_source == 5
@@ -135,9 +135,9 @@ def test_reindex_in_another_kv_group_does_not_use_candidates():
     assert [s.index for s in plan if s.uses_candidates] == [24, 28, 32, 36]
 
 
-def test_reindex_after_candidate_source_but_in_a_later_kv_group_does_not_use_candidates():
+def test_reindex_after_candidate_source_but_in_a_later_kv_group_does_not_use_candidates(v41_flash):
     """A second ratio-1 KV source (30) starts a new group: its Reindex layers cannot score 20's pool."""
-    cfg = preset("v41_flash").replace(
+    cfg = v41_flash.replace(
         kv_source_layer_ids=(2, 8, 14, 20, 30), index_source_layer_ids=(2, 8, 14, 20, 24, 28, 30, 32, 36))
     plan = layer_plan(cfg)
     assert plan[30].role == "full" and plan[32].role == "reindex" and plan[32].kv_source == 30
@@ -145,9 +145,9 @@ def test_reindex_after_candidate_source_but_in_a_later_kv_group_does_not_use_can
     assert plan[29].kv_source == 20 and plan[39].kv_source == 30 and plan[39].index_source == 36
 
 
-def test_plan_follows_a_changed_schedule():
+def test_plan_follows_a_changed_schedule(tiny):
     """Roles are derived, not hard-coded: move the decoder boundary and sources."""
-    cfg = preset("tiny").replace(
+    cfg = tiny.replace(
         compress_ratios=(0,) + (2,) * 9 + (1,) * 30,
         kv_source_layer_ids=(1, 10), index_source_layer_ids=(1, 10, 15),
         candidate_source_layer_id=10, engram_layer_ids=(3,))
@@ -181,8 +181,8 @@ def test_format_plan_one_row_per_layer(name):
         assert ("scores-candidates" in cols[6:]) == spec.uses_candidates
 
 
-def test_layer_spec_is_frozen_and_hashable():
-    plan = layer_plan(preset("mini"))
+def test_layer_spec_is_frozen_and_hashable(mini):
+    plan = layer_plan(mini)
     hash(plan)
     with pytest.raises(AttributeError):
         plan[0].role = "full"
@@ -215,9 +215,9 @@ def test_kv_stacks_and_addresses(name, changes, stacks, addresses):
 
 
 @pytest.mark.parametrize("layer", [0, 3, 21, 39])
-def test_kv_address_rejects_a_layer_that_is_not_a_source(layer):
+def test_kv_address_rejects_a_layer_that_is_not_a_source(tiny, layer):
     with pytest.raises(ValueError, match=f"layer {layer} is not a KV source"):
-        kv_address(preset("tiny"), layer)
+        kv_address(tiny, layer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,8 +254,8 @@ def test_layer_groups_hand_written(name, expected):
             assert r.spec == plan[g.first + r.offset]  # the run's first layer in iteration 0
 
 
-def test_layer_groups_details_v41_flash():
-    groups = layer_groups(preset("v41_flash"))
+def test_layer_groups_details_v41_flash(v41_flash):
+    groups = layer_groups(v41_flash)
     assert groups[1].runs[0].spec.has_engram and not groups[0].runs[0].spec.has_engram
     assert groups[3].runs[0].spec.has_engram and not groups[2].runs[0].spec.has_engram
     assert groups[4].runs[0].spec.is_candidate_source

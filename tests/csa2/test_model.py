@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from csa2 import model
+from csa2 import cache, model
 from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy, token_layers
 from csa2.state import init_state
@@ -28,15 +28,20 @@ def _greedy_decode(cfg, params, first, steps, fmt="float"):
     return jnp.stack(toks, 1), jnp.stack(outs, 1), state
 
 
+def _decode_and_forward(cfg, params, steps):
+    """Greedy decode logits [B, steps+1, V] from a one-token prefill, and `forward`'s logits and aux on its tokens."""
+    tokens, logits, _ = _greedy_decode(cfg, params, jnp.array([3, 200], jnp.int32), steps=steps)
+    ref, aux = model.forward(cfg, params, tokens, qat=True)
+    return logits, ref, aux
+
+
 @pytest.mark.cross_shape
 @pytest.mark.parametrize("name", ["mini", "tiny"])
 def test_greedy_decode_equals_teacher_forced_forward(name, mini_params, tiny_params):
     """Exact mode, f32: step-by-step logits == forward on the same tokens, across ring wrap (21 slots)
     and every ratio-2 boundary."""
     cfg = preset(name)
-    params = mini_params if name == "mini" else tiny_params
-    tokens, logits, _ = _greedy_decode(cfg, params, jnp.array([3, 200], jnp.int32), steps=25)
-    ref, aux = model.forward(cfg, params, tokens, qat=True)
+    logits, ref, aux = _decode_and_forward(cfg, mini_params if name == "mini" else tiny_params, steps=25)
     # One token per step and the whole sequence at once sum in different orders; re-rounded to FP4 by the
     # SPEC §8 fake-quant, the last-ulp differences can flip a rare cached element by one step and move later
     # logits by ~1e-3 (seen on AVX-512 XLA:CPU for mini: 8e-4). A wrong ring slot, position or window moves
@@ -44,6 +49,23 @@ def test_greedy_decode_equals_teacher_forced_forward(name, mini_params, tiny_par
     np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-2)
     assert np.mean(np.abs(np.asarray(logits) - np.asarray(ref)) <= 1e-4) >= 0.5
     assert aux["load"].shape == (cfg.num_hidden_layers, cfg.n_routed_experts)
+
+
+def test_mutant_ring_slot_off_by_one_is_caught(mini_params, mutant):
+    """Decode ≡ forward catches a ring written one slot off (position p at slot (p + 1) % slots, read at p % slots):
+    the window of every decode step reads a wrong row (the `mutant` fixture: conftest)."""
+    ring_slots = cache.ring_slots
+
+    def off_by_one(positions, valid, new_length, slots):
+        slot, keep = ring_slots(positions, valid, new_length, slots)
+        return (slot + 1) % slots, keep
+
+    mutant.setattr(cache, "ring_slots", off_by_one)
+    logits, ref, _ = _decode_and_forward(MINI, mini_params, steps=6)
+    diff = np.abs(np.asarray(logits) - np.asarray(ref))
+    print(f"\nmutant ring slot + 1: max |Δ logits| {diff.max():.3f}, within 1e-4: {np.mean(diff <= 1e-4):.3f}")
+    assert diff.max() > 10 * 1e-2  # the test's atol
+    assert np.mean(diff <= 1e-4) < 0.5
 
 
 def test_packed_fp4_cache_decodes_like_float_cache(mini_params):
@@ -216,9 +238,9 @@ def test_small_replay_window_keeps_global_kv_and_bounds_decoder_work(mini_params
     assert np.isfinite(np.asarray(out)).all()
 
 
-def test_release_replay_saves_the_reported_token_layer_work_at_8k():
+def test_release_replay_saves_the_reported_token_layer_work_at_8k(v41_flash):
     """The V4.1 report's 46.76 % at 8K: SGLang's split (layer 20 whole on every row, tails from 21), R = 128."""
-    cfg = preset("v41_flash")
+    cfg = v41_flash
     saving = 1 - token_layers(cfg, ReplayPolicy(window=128, split_layer=21), 8192) / token_layers(cfg, EXACT, 8192)
     assert round(100 * saving, 2) == 46.76
 

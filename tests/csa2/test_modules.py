@@ -12,17 +12,14 @@ from csa2 import model
 from csa2.layout import layer_groups, layer_plan
 from csa2.moe import RouterBias, bias_update
 from csa2.params import arrays
-from csa2.presets import preset
 from csa2.stack import layer_params
-
-TINY, MINI = preset("tiny"), preset("mini")
 
 
 def _variables(params):
     return nnx.to_flat_state(params)
 
 
-def test_init_params_returns_the_model_state(mini_params):
+def test_init_params_returns_the_model_state(mini, mini_params):
     assert isinstance(mini_params, nnx.State)
     assert set(mini_params.keys()) == {"embed", "groups", "norm", "head", model.DRAFTER}
     kinds = {}
@@ -31,8 +28,8 @@ def test_init_params_returns_the_model_state(mini_params):
         router_bias = path[-2:] in (("moe", "bias"), ("moe", "bias_vl"))
         assert isinstance(v, RouterBias) == router_bias, path
         assert isinstance(v, nnx.Param) != router_bias, path
-    runs = len([r for g in layer_groups(MINI) for r in g.runs])
-    assert sum(t is RouterBias for t in kinds.values()) == 2 * (runs + MINI.num_nextn_predict_layers)
+    runs = len([r for g in layer_groups(mini) for r in g.runs])
+    assert sum(t is RouterBias for t in kinds.values()) == 2 * (runs + mini.num_nextn_predict_layers)
 
 
 def test_every_parameter_names_its_logical_axes(tiny_params):
@@ -45,28 +42,28 @@ def test_every_parameter_names_its_logical_axes(tiny_params):
     assert tuple(spec["embed"].get_value()) == ("vocab", "embed")
 
 
-def test_layout_follows_the_layer_groups(tiny_params):
-    for g, group in enumerate(layer_groups(TINY)):
+def test_layout_follows_the_layer_groups(tiny, tiny_params):
+    for g, group in enumerate(layer_groups(tiny)):
         for r, run in enumerate(group.runs):
             lead = {v.get_value().shape[:2] for _, v in nnx.to_flat_state(tiny_params["groups"][g][r])}
             assert lead == {(group.count, run.count)}, (g, r, lead)
-    plan, p = layer_plan(TINY), arrays(tiny_params)
+    plan, p = layer_plan(tiny), arrays(tiny_params)
     for spec in plan:  # every layer's parameters are where the groups say, with its role's pieces
-        lp = layer_params(TINY, p, spec.index)
+        lp = layer_params(tiny, p, spec.index)
         assert ("compressor" in lp["attn"]) == (spec.role == "full")
         assert ("indexer" in lp["attn"]) == (spec.role in ("full", "reindex"))
         assert ("engram" in lp) == spec.has_engram
 
 
-def test_layers_are_initialized_independently(tiny_params):
+def test_layers_are_initialized_independently(tiny, tiny_params):
     """split_rngs gives every stacked layer its own draw."""
     p = arrays(tiny_params)
-    w = [np.asarray(layer_params(TINY, p, i)["attn"]["wq_a"]) for i in (3, 4, 9)]
+    w = [np.asarray(layer_params(tiny, p, i)["attn"]["wq_a"]) for i in (3, 4, 9)]
     assert not np.allclose(w[0], w[1]) and not np.allclose(w[0], w[2])
 
 
-def test_display_and_tabulate_tiny(tiny_params):
-    module = model.as_module(TINY, tiny_params)
+def test_display_and_tabulate_tiny(tiny, tiny_params):
+    module = model.as_module(tiny, tiny_params)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         nnx.display(module)
@@ -76,20 +73,21 @@ def test_display_and_tabulate_tiny(tiny_params):
     assert "Model" in table and "RouterBias" in table and f"{total:,}" in table
 
 
-def test_module_call_is_forward(mini_params):
+def test_module_call_is_forward(mini, mini_params):
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 6), 0, 256, jnp.int32)
-    np.testing.assert_array_equal(model.as_module(MINI, mini_params)(tokens), model.forward(MINI, mini_params, tokens)[0])
+    np.testing.assert_array_equal(model.as_module(mini, mini_params)(tokens),
+                                  model.forward(mini, mini_params, tokens)[0])
 
 
-def test_update_router_bias_moves_each_layers_bias_by_its_load(mini_params):
-    load = jax.random.uniform(jax.random.PRNGKey(3), (MINI.num_hidden_layers, MINI.n_routed_experts))
-    new = model.update_router_bias(MINI, mini_params, load, 0.25)
+def test_update_router_bias_moves_each_layers_bias_by_its_load(mini, mini_params):
+    load = jax.random.uniform(jax.random.PRNGKey(3), (mini.num_hidden_layers, mini.n_routed_experts))
+    new = model.update_router_bias(mini, mini_params, load, 0.25)
     before, after = arrays(mini_params), arrays(new)
-    for layer in range(MINI.num_hidden_layers):
-        old_bias = layer_params(MINI, before, layer)["moe"]["bias"]
+    for layer in range(mini.num_hidden_layers):
+        old_bias = layer_params(mini, before, layer)["moe"]["bias"]
         # One layer's [E] load against the stacked [count, run, E] update: the means reduce arrays of other
         # shapes, equal to float rounding (the sign rule only flips for a load within rounding of the mean).
-        np.testing.assert_allclose(layer_params(MINI, after, layer)["moe"]["bias"],
+        np.testing.assert_allclose(layer_params(mini, after, layer)["moe"]["bias"],
                                    bias_update(old_bias, load[layer], 0.25), rtol=0, atol=1e-6)
     moved = {path for (path, a), (_, b) in zip(_variables(mini_params), _variables(new))
              if not np.array_equal(a.get_value(), b.get_value())}

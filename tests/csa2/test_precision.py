@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 
 from csa2 import model
-from csa2.presets import preset
 
 SCOPES = {  # scope → what SPEC asks in fp32
     "fp32_router": "§9 router scores",
@@ -28,12 +27,11 @@ def _dots_by_scope(hlo: str) -> dict[str, list[str]]:
     return found
 
 
-def test_the_spec_fp32_products_lower_at_highest_precision():
+def test_the_spec_fp32_products_lower_at_highest_precision(mini):
     """Forward of mini (Full and Reindex layers, MoE, mHC, compressor) lowered from shapes alone."""
-    cfg = preset("mini")
     tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
     with jax.default_matmul_precision("default"):
-        lowered = model.forward.lower(cfg, model.abstract_params(cfg), tokens)
+        lowered = model.forward.lower(mini, model.abstract_params(mini), tokens)
     found = _dots_by_scope(lowered.as_text(dialect="hlo", debug_info=True))
     assert set(found) == set(SCOPES), f"no dot found for {sorted(set(SCOPES) - set(found))}"
     for scope, lines in found.items():

@@ -139,6 +139,22 @@ def test_replayed_prefill_is_chunk_invariant(mini_params, chunks, policy, seed):
         _assert_identical(state, exact)
 
 
+def _commit_and_prefill(params, accept, prompt_lens, seed):
+    """After a prefill of `prompt_lens` tokens per row: commit(verify(state, [R, d1..dγ]), accept) and an exact
+    prefill of the `accept` rows R, d1..dn on the same state; with the block and the bonus tokens."""
+    key1, key2 = jax.random.split(jax.random.PRNGKey(seed))
+    prompt = jax.random.randint(key1, (B, N), 0, 256, jnp.int32)
+    block = jax.random.randint(key2, (B, GAMMA + 1), 0, 256, jnp.int32)
+    accept = jnp.asarray(accept, jnp.int32)
+    _, state, _ = model.prefill(MINI, params, init_state(MINI, B, CAP, "float"), prompt,
+                                jnp.asarray(prompt_lens, jnp.int32), replay=EXACT)
+    _, spec = model.verify(MINI, params, keep(state), block)
+    bonus = jax.random.randint(key2, (B,), 0, 256, jnp.int32)
+    committed = model.commit(spec, accept, bonus)
+    _, reference, _ = model.prefill(MINI, params, state, block, accept, replay=EXACT)
+    return committed, reference, block, bonus
+
+
 @SETTINGS
 @given(accept=st.lists(st.integers(1, GAMMA + 1), min_size=B, max_size=B),
        prompt_lens=st.lists(st.integers(9, N), min_size=B, max_size=B), seed=st.integers(0, 2**16))
@@ -146,19 +162,10 @@ def test_commit_equals_prefill_of_accepted_rows(mini_params, accept, prompt_lens
     """commit(verify(state, [R, d1..dγ]), n+1) per row ≡ an exact prefill of R, d1..dn on the same state: the same
     length, committed Global KV, drafts and continuation, whatever the per-row accept lengths and prompt lengths
     (both parities of L, so ratio-2 pairs straddle the accept boundary)."""
-    key1, key2 = jax.random.split(jax.random.PRNGKey(seed))
-    prompt = jax.random.randint(key1, (B, N), 0, 256, jnp.int32)
-    block = jax.random.randint(key2, (B, GAMMA + 1), 0, 256, jnp.int32)
-    accept = jnp.asarray(accept, jnp.int32)
-    _, state, _ = model.prefill(MINI, mini_params, init_state(MINI, B, CAP, "float"), prompt,
-                                jnp.asarray(prompt_lens, jnp.int32), replay=EXACT)
-    _, spec = model.verify(MINI, mini_params, keep(state), block)
-    bonus = jax.random.randint(key2, (B,), 0, 256, jnp.int32)
-    committed = model.commit(spec, accept, bonus)
-    for row, a in enumerate(np.asarray(accept)):  # emitted: d1 … dn, C
+    committed, reference, block, bonus = _commit_and_prefill(mini_params, accept, prompt_lens, seed)
+    for row, a in enumerate(accept):  # emitted: d1 … dn, C
         want = np.append(np.asarray(block[row, 1:a]), np.asarray(bonus[row]))[:a]
         np.testing.assert_array_equal(committed.accept.tokens[row, :a], want)
-    _, reference, _ = model.prefill(MINI, mini_params, state, block, accept, replay=EXACT)
     np.testing.assert_array_equal(committed.length, reference.length)
     for a, b in zip(_committed_entries(committed), _committed_entries(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -166,3 +173,23 @@ def test_commit_equals_prefill_of_accepted_rows(mini_params, accept, prompt_lens
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(_continue(mini_params, committed, 3), _continue(mini_params, reference, 3),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_mutant_commit_of_one_row_too_many_is_caught(mini_params, monkeypatch):
+    """commit ≡ prefill catches a commit whose length takes one verified row more than it accepts (the emitted
+    tokens right): the continuation reads that row. `commit` runs outside any jitted program, so a plain monkeypatch
+    reaches it (no retrace)."""
+    commit = model.commit
+
+    def one_row_too_many(state, accept_lens, bonus):
+        committed = commit(state, accept_lens, bonus)
+        return committed.replace(length=committed.length + 1)
+
+    monkeypatch.setattr(model, "commit", one_row_too_many)
+    committed, reference, _, _ = _commit_and_prefill(mini_params, [2, 4], [N, 14], seed=0)
+    lengths = (np.asarray(committed.length), np.asarray(reference.length))
+    drafts = max(np.abs(a - b).max() for a, b in zip(_drafts(mini_params, committed), _drafts(mini_params, reference)))
+    cont = np.abs(_continue(mini_params, committed, 3) - _continue(mini_params, reference, 3)).max()
+    print(f"\nmutant commit + 1 row: lengths {lengths}, max |Δ drafts| {drafts:.3f}, max |Δ continuation| {cont:.3f}")
+    assert (lengths[0] == lengths[1] + 1).all()
+    assert drafts > 100 * 1e-4 and cont > 100 * 1e-4

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import jax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec
 
-from csa2 import mesh as mesh_lib, sharding
+from csa2 import mesh as mesh_lib, model, sharding
 from csa2.presets import PRESETS, preset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,16 +20,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_parameter_of_every_preset_has_a_rule(name):
+    """Each parameter's spec maps every logical axis it declares through the preset's rules table, one entry per
+    dimension; heads and experts are split (over `tensor`, `expert`) in every preset."""
     mesh = mesh_lib.make_mesh({})
-    specs = sharding.param_shardings(preset(name), mesh, mesh_lib.rules_for(name))
-    assert all(isinstance(s.spec, PartitionSpec) for s in jax.tree.leaves(specs))
+    rules = mesh_lib.rules_for(name)
+    cfg = preset(name)
+    shardings = sharding.param_shardings(cfg, mesh, rules)
+    abstract = model.abstract_params(cfg)
+    declared = nnx.to_pure_dict(nnx.get_partition_spec(abstract))
+    shapes = nnx.to_pure_dict(abstract)
+    got = jax.tree.leaves(shardings)
+    axes = jax.tree.leaves(declared, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    assert len(got) == len(axes) == len(jax.tree.leaves(shapes))
+    for sharded, logical, shape in zip(got, axes, jax.tree.leaves(shapes)):
+        assert len(logical) == shape.ndim, (logical, shape.shape)
+        assert sharded.mesh == mesh
+        assert sharded.spec == PartitionSpec(*(None if a is None else rules[a] for a in logical)), (logical, sharded)
+    used = {t for s in got for t in s.spec if t is not None}
+    assert {"tensor", "expert"} <= used, used
 
 
-def test_the_released_model_splits_over_the_documented_axes():
+def test_the_released_model_splits_over_the_documented_axes(v41_flash):
     """Specs alone (an abstract 8-device mesh): heads, vocab, expert width over `tensor`, experts over `expert`."""
     mesh = jax.sharding.AbstractMesh((1, 8, 8), mesh_lib.MESH_AXES)
     rules = mesh_lib.rules_for("v41_flash")
-    cfg = preset("v41_flash")
+    cfg = v41_flash
     assert mesh_lib.spec(("groups", "layers", "q_lora", "heads"), (1, 1, 1280, 32768), mesh, rules, "wq_b") == \
         PartitionSpec(None, None, None, "tensor")
     assert mesh_lib.spec(("experts", "embed", "mlp"), (384, 5120, 2304), mesh, rules, "w1") == \
@@ -59,7 +75,7 @@ def test_bad_meshes_are_refused(shape, message):
         mesh_lib.make_mesh(shape)
 
 
-def test_bad_rules_are_refused_by_parameter_and_axis():
+def test_bad_rules_are_refused_by_parameter_and_axis(mini):
     mesh = jax.sharding.AbstractMesh((1, 2, 8), mesh_lib.MESH_AXES)
     rules = mesh_lib.rules_for("mini")
     with pytest.raises(ValueError, match=r"wq_b: logical axis 'nope' has no rule"):
@@ -74,7 +90,7 @@ def test_bad_rules_are_refused_by_parameter_and_axis():
         mesh_lib.rules_for("huge")
     with pytest.raises(ValueError, match=r"'mlp' → 'expert', but the MoE's expert-parallel shard_map reads 'mlp' on "
                                          r"mesh axis 'tensor'; map it to 'tensor' or None"):
-        sharding.param_shardings(preset("mini"), mesh_lib.make_mesh({}), {**rules, "mlp": "expert"})
+        sharding.param_shardings(mini, mesh_lib.make_mesh({}), {**rules, "mlp": "expert"})
 
 
 EXPERT_PARALLEL = textwrap.dedent("""

@@ -138,14 +138,14 @@ def test_abstract_state_leaves(name, B, C, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "float"])
-def test_abstract_state_agrees_with_init_state(fmt):
-    cfg = preset("mini")
+def test_abstract_state_agrees_with_init_state(mini, fmt):
+    cfg = mini
     chex.assert_trees_all_equal_shapes_and_dtypes(init_state(cfg, 2, 16, fmt), abstract_state(cfg, 2, 16, fmt))
 
 
-def test_capacity_granule_is_the_lcm_of_ratios():
+def test_capacity_granule_is_the_lcm_of_ratios(tiny):
     """Ratios 2 and 3: capacity must be a multiple of 6, not just of the largest or first ratio."""
-    cfg = preset("tiny").replace(compress_ratios=(0, 0) + (2,) * 6 + (3,) * 12 + (1,) * 20)
+    cfg = tiny.replace(compress_ratios=(0, 0) + (2,) * 6 + (3,) * 12 + (1,) * 20)
     for bad in (2, 3, 4, 8, 9):
         with pytest.raises(ValueError, match=f"capacity={bad}"):
             abstract_state(cfg, 1, bad)
@@ -163,41 +163,41 @@ def test_capacity_granule_is_the_lcm_of_ratios():
 # Bytes (SPEC §8)
 
 
-def test_kv_bytes_per_token_v41_flash():
+def test_kv_bytes_per_token_v41_flash(v41_flash):
     # (3 sources × ½ + 1 source) × (Main 256+32 + Indexer K 64+4)
-    assert kv_bytes_per_token(preset("v41_flash")) == 890.0
-    assert kv_bytes_per_token(preset("v41_flash"), "fp4") == (3 * 0.5 + 1) * ((256 + 32) + (64 + 4))
+    assert kv_bytes_per_token(v41_flash) == 890.0
+    assert kv_bytes_per_token(v41_flash, "fp4") == (3 * 0.5 + 1) * ((256 + 32) + (64 + 4))
     # float: 4 bytes × (512 + 128) per entry
-    assert kv_bytes_per_token(preset("v41_flash"), "float") == 2.5 * 4 * (512 + 128) == 6400.0
+    assert kv_bytes_per_token(v41_flash, "float") == 2.5 * 4 * (512 + 128) == 6400.0
 
 
-def test_kv_bytes_per_token_tiny_and_mini():
+def test_kv_bytes_per_token_tiny_and_mini(mini, tiny):
     # tiny: head_dim 32 → 16 B FP4 + 2 e4m3 scales; index_head_dim 32 → 16 B + 1 ue8m0 scale: 35 B/entry.
     entry = (32 // 2 + 32 // 16) + (32 // 2 + 32 // 32)
     assert entry == 35
-    assert kv_bytes_per_token(preset("tiny")) == 2.5 * 35 == 87.5
-    assert kv_bytes_per_token(preset("tiny"), "float") == 2.5 * 4 * 64 == 640.0
-    assert kv_bytes_per_token(preset("mini")) == (0.5 + 1) * 35 == 52.5
-    assert kv_bytes_per_token(preset("mini"), "float") == 1.5 * 256 == 384.0
+    assert kv_bytes_per_token(tiny) == 2.5 * 35 == 87.5
+    assert kv_bytes_per_token(tiny, "float") == 2.5 * 4 * 64 == 640.0
+    assert kv_bytes_per_token(mini) == (0.5 + 1) * 35 == 52.5
+    assert kv_bytes_per_token(mini, "float") == 1.5 * 256 == 384.0
 
 
-def test_swa_bytes_per_sequence():
-    assert swa_bytes_per_sequence(preset("v41_flash")) == 40 * 128 * 528 == 2_703_360
-    assert swa_bytes_per_sequence(preset("v41_flash"), "float") == 40 * 128 * 512 * 4
-    assert swa_bytes_per_sequence(preset("tiny")) == 40 * 16 * (32 + 1)
-    assert swa_bytes_per_sequence(preset("mini")) == 8 * 16 * (32 + 1)
+def test_swa_bytes_per_sequence(mini, tiny, v41_flash):
+    assert swa_bytes_per_sequence(v41_flash) == 40 * 128 * 528 == 2_703_360
+    assert swa_bytes_per_sequence(v41_flash, "float") == 40 * 128 * 512 * 4
+    assert swa_bytes_per_sequence(tiny) == 40 * 16 * (32 + 1)
+    assert swa_bytes_per_sequence(mini) == 8 * 16 * (32 + 1)
 
 
 @pytest.mark.parametrize("fn", [kv_bytes_per_token, swa_bytes_per_sequence])
-def test_bytes_reject_unknown_format(fn):
+def test_bytes_reject_unknown_format(tiny, fn):
     with pytest.raises(ValueError, match="cache_format='fp8'"):
-        fn(preset("tiny"), "fp8")
+        fn(tiny, "fp8")
 
 
-def test_v41_flash_global_kv_at_1m_is_exact():
+def test_v41_flash_global_kv_at_1m_is_exact(v41_flash):
     """890 B/token × 2^20 tokens: 3 ratio-2 sources × 2^19 entries + 1 ratio-1 source × 2^20 entries,
     each 356 B, = 2.5 × 2^20 × 356 = 933,232,640 B. Integer arithmetic, so exactly equal."""
-    parts = state_bytes(abstract_state(preset("v41_flash"), 1, 2**20))
+    parts = state_bytes(abstract_state(v41_flash, 1, 2**20))
     assert parts["global_kv"] == 890 * 2**20 == 933_232_640
     assert parts["global_kv"] == (3 * 2**19 + 2**20) * 356
     # the rest of the state, by hand
@@ -234,8 +234,8 @@ def test_state_bytes_is_sum_of_leaf_nbytes(name, B, C, fmt):
     assert state_bytes(abstract_state(preset(name), B, C, fmt)) == parts
 
 
-def test_state_bytes_abstract_v41_flash_total():
-    state = abstract_state(preset("v41_flash"), 2, 2**16, "float")
+def test_state_bytes_abstract_v41_flash_total(v41_flash):
+    state = abstract_state(v41_flash, 2, 2**16, "float")
     assert state_bytes(state)["total"] == nbytes(state)
 
 
@@ -244,8 +244,8 @@ def test_state_bytes_abstract_v41_flash_total():
 
 
 @pytest.fixture(params=["fp4", "float"])
-def tiny_state(request):
-    return init_state(preset("tiny"), 2, 32, request.param)
+def tiny_state(tiny, request):
+    return init_state(tiny, 2, 32, request.param)
 
 
 def test_state_is_a_pytree(tiny_state):
@@ -283,8 +283,8 @@ def test_state_passes_through_jit(tiny_state):
     chex.assert_trees_all_equal_shapes_and_dtypes(bumped, tiny_state)
 
 
-def test_abstract_state_allocates_nothing_at_1m():
-    state = abstract_state(preset("v41_flash"), 8, 2**20)
+def test_abstract_state_allocates_nothing_at_1m(v41_flash):
+    state = abstract_state(v41_flash, 8, 2**20)
     assert state.global_kv[1].kv.payload.shape == (8, 1, 2**20, 256)  # the decoder's ratio-1 source
     assert state.global_kv[0].kv.payload.shape == (8, 3, 2**19, 256)  # the encoder's 3 ratio-2 sources
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state))
@@ -314,8 +314,8 @@ def _mark_rows(state):
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "float"])
-def test_fork_gathers_rows_of_every_leaf(fmt):
-    state = _mark_rows(init_state(preset("tiny"), 3, 32, fmt))
+def test_fork_gathers_rows_of_every_leaf(tiny, fmt):
+    state = _mark_rows(init_state(tiny, 3, 32, fmt))
     rows = jnp.asarray([2, 0, 0, 1], jnp.int32)
     forked = model.fork(state, rows)
     assert type(forked) is State and forked.batch == 4
@@ -448,11 +448,11 @@ def test_bad_state_arguments(make, name, batch, cap, fmt, match):
         make(preset(name), batch, cap, fmt)
 
 
-def test_capacity_above_max_positions_names_the_field():
+def test_capacity_above_max_positions_names_the_field(tiny):
     with pytest.raises(ValueError, match="max_position_embeddings=65536"):
-        init_state(preset("tiny"), 1, 2**17)
+        init_state(tiny, 1, 2**17)
 
 
-def test_capacity_at_max_positions_is_fine():
-    state = abstract_state(preset("tiny"), 1, 65536)
+def test_capacity_at_max_positions_is_fine(tiny):
+    state = abstract_state(tiny, 1, 65536)
     assert state.global_kv[1].kv.payload.shape == (1, 1, 65536, 16)

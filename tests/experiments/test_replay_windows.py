@@ -3,11 +3,9 @@
 import numpy as np
 import pytest
 
-from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy, token_layers
 from experiments import replay_windows as rw
 
-MINI = preset("mini")
 N = 24
 
 
@@ -16,24 +14,24 @@ def prompts():
     return np.random.default_rng(0).integers(0, 256, (2, N)).astype(np.int32)
 
 
-def test_sweep_rows_measure_error_work_and_time(mini_params, prompts):
-    rows = rw.sweep(MINI, mini_params, prompts, windows=[4, N], splits=[None], steps=3, reps=1)
-    assert [(r["window"], r["split"]) for r in rows] == [(4, MINI.first_decoder_layer), (N, MINI.first_decoder_layer)]
+def test_sweep_rows_measure_error_work_and_time(mini, mini_params, prompts):
+    rows = rw.sweep(mini, mini_params, prompts, windows=[4, N], splits=[None], steps=3, reps=1)
+    assert [(r["window"], r["split"]) for r in rows] == [(4, mini.first_decoder_layer), (N, mini.first_decoder_layer)]
     small, whole = rows
     assert whole["kl_end"] == 0 and whole["top1_end"] == 1 and whole["kl_steps"] == [0, 0, 0]  # R ≥ N is exact
     assert small["kl_end"] > 0 and len(small["top1_steps"]) == 3
-    assert small["work_ratio"] == token_layers(MINI, ReplayPolicy(window=4), N) / token_layers(MINI, EXACT, N)
+    assert small["work_ratio"] == token_layers(mini, ReplayPolicy(window=4), N) / token_layers(mini, EXACT, N)
     assert whole["work_ratio"] == 1 and all(r["wall_ratio"] > 0 for r in rows)
 
 
-def test_prefix_hit_scenarios_reproduce_the_spec_equalities(mini_params, prompts):
+def test_prefix_hit_scenarios_reproduce_the_spec_equalities(mini, mini_params, prompts):
     """With R ≥ N: cold, a snapshot hit under "borrow" and encoder replay are the exact prefill; "truncate" is
     not (its decoder windows stop at the hit)."""
-    rows = rw.prefix_hits(MINI, mini_params, prompts, hits=[16], policy=ReplayPolicy(window=N), chunk=8, steps=2)
+    rows = rw.prefix_hits(mini, mini_params, prompts, hits=[16], policy=ReplayPolicy(window=N), chunk=8, steps=2)
     by = {r["scenario"]: r for r in rows}
     assert list(by) == ["cold", "snapshot, truncate", "snapshot, borrow", "encoder replay"]
     for name in ("cold", "snapshot, borrow", "encoder replay"):  # the reference is one call, these are chunked
         assert max(by[name]["kl_end"], *by[name]["kl_steps"]) < 1e-6 and by[name]["top1_end"] == 1, name
     assert by["snapshot, truncate"]["kl_end"] > 1e-4
     assert by["snapshot, borrow"]["work"] == by["snapshot, truncate"]["work"] < by["encoder replay"]["work"]
-    assert by["encoder replay"]["work"] == by["cold"]["work"] == token_layers(MINI, ReplayPolicy(window=N), N) * 2
+    assert by["encoder replay"]["work"] == by["cold"]["work"] == token_layers(mini, ReplayPolicy(window=N), N) * 2

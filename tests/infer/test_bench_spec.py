@@ -4,11 +4,9 @@ interval over prompts)."""
 import numpy as np
 import pytest
 
-from csa2.presets import BOS_ID, preset
+from csa2.presets import BOS_ID
 from infer import bench_spec
 from infer.speculative import speculative_generate
-
-MINI = preset("mini")
 
 
 def test_held_out_prompts_are_distinct_windows_of_the_validation_documents():
@@ -21,12 +19,12 @@ def test_held_out_prompts_are_distinct_windows_of_the_validation_documents():
         bench_spec.validation_prompts(100_000, 32)
 
 
-def test_acceptance_pools_verify_steps_over_prompts(mini_params):
+def test_acceptance_pools_verify_steps_over_prompts(mini, mini_params):
     """Five prompts in batches of 2 (the last batch padded with a repeat, counted once): the acceptance length is
     Σ (accepted + steps) / Σ steps over the prompts' rows, per position accepted / reached, with intervals."""
-    got = bench_spec.acceptance(MINI, mini_params, 5, 12, 6, batch=2)
+    got = bench_spec.acceptance(mini, mini_params, 5, 12, 6, batch=2)
     prompts = bench_spec.validation_prompts(5, 12)
-    res = [speculative_generate(MINI, mini_params, prompts[i:i + 2] + prompts[4:] * (i == 4), max_new_tokens=6,
+    res = [speculative_generate(mini, mini_params, prompts[i:i + 2] + prompts[4:] * (i == 4), max_new_tokens=6,
                                 eos_id=None) for i in (0, 2, 4)]
     accepted = np.concatenate([r.accepted for r in res])[:5]
     steps = np.concatenate([r.row_steps for r in res])[:5]

@@ -217,16 +217,7 @@ def test_training_blocks_match_the_numpy_oracle(setup):
 
 
 # ---------------------------------------------------------------------------------------------
-# Planted mutants: each must make the comparison fail, by far more than TOL
-
-@pytest.fixture
-def mutant(monkeypatch):
-    """A monkeypatch whose changes csa2's jitted entry points see (fresh traces), dropped again afterwards."""
-    jax.clear_caches()
-    yield monkeypatch
-    monkeypatch.undo()
-    jax.clear_caches()
-
+# Planted mutants: each must make the comparison fail, by far more than TOL (the `mutant` fixture: conftest)
 
 def assert_caught(err: dict, what: str) -> None:
     print(f"\nmutant {what}: {err}")

@@ -79,25 +79,23 @@ class _TorchToyF(torch.nn.Module):
         return (y, None) if self.returns_tuple else y
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_coefficients_and_collapse_match_hyper_connection(name):
+def _hyper_connection_pairs(name) -> dict:
+    """{quantity: (ours, transformers')} for post, comb, the collapse and pre of one site, case `name`."""
     cfg, hf_cfg, sites, X, _ = _setup(name)
     module = _load(v4.DeepseekV4HyperConnection(hf_cfg), sites[0])
     with torch.no_grad():
         post_hf, comb_hf, collapsed_hf = (t.numpy() for t in module(_t(X)))
     pre, post, comb = mhc.coefficients(cfg, sites[0], X)
-    np.testing.assert_allclose(post, post_hf, **TOL)
-    np.testing.assert_allclose(comb, comb_hf, **TOL)
-    np.testing.assert_allclose(mhc.collapse(X, pre), collapsed_hf, **TOL)
     # transformers consumes pre inside; recover it per token from collapsed = Σ_k pre_k X_k
     streams = np.asarray(X, np.float64).reshape(-1, cfg.hc_mult, cfg.hidden_size)
     pre_hf = np.stack([np.linalg.lstsq(s.T, c, rcond=None)[0]
                        for s, c in zip(streams, collapsed_hf.reshape(-1, cfg.hidden_size))])
-    np.testing.assert_allclose(pre.reshape(-1, cfg.hc_mult), pre_hf, **TOL)
+    return {"post": (post, post_hf), "comb": (comb, comb_hf), "collapse": (mhc.collapse(X, pre), collapsed_hf),
+            "pre": (pre.reshape(-1, cfg.hc_mult), pre_hf)}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_two_sites_match_decoder_layer(name):
+def _decoder_layer_pair(name) -> tuple:
+    """(ours, transformers') streams after the two sites of one decoder layer with a toy F, case `name`."""
     cfg, hf_cfg, sites, X, W = _setup(name)
     layer = v4.DeepseekV4DecoderLayer(hf_cfg, 0).eval()
     _load(layer.attn_hc, sites[0])
@@ -111,4 +109,50 @@ def test_two_sites_match_decoder_layer(name):
         pre, post, comb = mhc.coefficients(cfg, params, ours)
         y = rms_norm(mhc.collapse(ours, pre), jnp.ones(cfg.hidden_size), cfg.rms_norm_eps)
         ours = mhc.update(ours, _toy_F(y, w), post, comb)
-    np.testing.assert_allclose(ours, want, **TOL)
+    return ours, want
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_coefficients_and_collapse_match_hyper_connection(name):
+    for ours, theirs in _hyper_connection_pairs(name).values():
+        np.testing.assert_allclose(ours, theirs, **TOL)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_two_sites_match_decoder_layer(name):
+    np.testing.assert_allclose(*_decoder_layer_pair(name), **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planted mutants: each must make both comparisons fail, by far more than TOL (the `mutant` fixture: conftest)
+
+def _sinkhorn_one_iteration_short(coefficients):
+    return lambda cfg, params, X: coefficients(cfg.replace(hc_sinkhorn_iters=cfg.hc_sinkhorn_iters - 1), params, X)
+
+
+def _eps_outside_the_denominator(normalize):
+    return lambda c, axis, eps: normalize(c, axis, 0.0) + eps  # c / Σc + eps instead of c / (Σc + eps)
+
+
+MUTANTS = {"sinkhorn_short": ("coefficients", _sinkhorn_one_iteration_short),
+           "eps_misplaced": ("_normalize", _eps_outside_the_denominator)}
+
+
+@pytest.mark.parametrize("mutant_name", sorted(MUTANTS))
+def test_mutant_is_caught(mutant, mutant_name):
+    """Each mutant on the `large_eps` case: the coefficients and the decoder layer both miss. Measured max |Δ|
+    (coefficients, decoder layer): Sinkhorn one short 2.2e-2, 2.6e-2; eps outside the denominator 0.17, 0.61.
+    (On `sharp` the short Sinkhorn moves comb by only 1.7e-5, the decoder layer by 2e-3; on `released`, whose
+    20 iterations have converged, it does not show at all, 6e-7.)"""
+    attr, plant = MUTANTS[mutant_name]
+    name = "large_eps"
+    mutant.setattr(mhc, attr, plant(getattr(mhc, attr)))
+    pairs = _hyper_connection_pairs(name)
+    worst = {k: float(np.abs(np.asarray(a, np.float64) - b).max()) for k, (a, b) in pairs.items()}
+    layer = float(np.abs(np.subtract(*_decoder_layer_pair(name), dtype=np.float64)).max())
+    print(f"\nmutant {mutant_name} on {name!r}: max |Δ| {worst}, decoder layer {layer:.2e}")
+    assert max(worst.values()) > 100 * TOL["atol"], worst
+    assert layer > 100 * TOL["atol"], layer
+    with pytest.raises(AssertionError):
+        for ours, theirs in pairs.values():
+            np.testing.assert_allclose(ours, theirs, **TOL)

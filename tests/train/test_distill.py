@@ -4,12 +4,10 @@ continuation of it, seeded; pool batches are a pure function of (seed, step); ba
 import numpy as np
 import pytest
 
-from csa2.presets import preset
 from infer.generate import Sampling, generate
 from train.data import load_corpus
 from train.distill import continuations, pool_batches
 
-CFG = preset("mini")
 PROMPT, SEQ = 8, 14
 
 
@@ -23,33 +21,33 @@ def _is_window(stream: np.ndarray, row: np.ndarray) -> bool:
     return bool((windows == row).all(axis=1).any())
 
 
-def test_rows_are_a_corpus_prompt_and_the_targets_continuation(mini_params, corpus):
-    pool = continuations(CFG, mini_params, corpus, rows=3, prompt_len=PROMPT, seq_len=SEQ, temperature=0.0, seed=5,
+def test_rows_are_a_corpus_prompt_and_the_targets_continuation(mini, mini_params, corpus):
+    pool = continuations(mini, mini_params, corpus, rows=3, prompt_len=PROMPT, seq_len=SEQ, temperature=0.0, seed=5,
                          batch=2)
     assert pool.shape == (3, SEQ) and pool.dtype == np.int32
     assert all(_is_window(corpus, row[:PROMPT]) for row in pool)
     # The first call's two rows, continued by the target through the same program (batch 2, greedy).
-    again = generate(CFG, mini_params, pool[:2, :PROMPT], max_new_tokens=SEQ - PROMPT, eos_id=None)
+    again = generate(mini, mini_params, pool[:2, :PROMPT], max_new_tokens=SEQ - PROMPT, eos_id=None)
     np.testing.assert_array_equal(pool[:2, PROMPT:], again.tokens)
     # The last row sits in a padded call (3 = 2 + 1 + one padding row): it is the target's greedy continuation too.
-    last = generate(CFG, mini_params, np.repeat(pool[2:, :PROMPT], 2, axis=0), max_new_tokens=SEQ - PROMPT,
+    last = generate(mini, mini_params, np.repeat(pool[2:, :PROMPT], 2, axis=0), max_new_tokens=SEQ - PROMPT,
                     eos_id=None)
     np.testing.assert_array_equal(pool[2, PROMPT:], last.tokens[0])
 
-    np.testing.assert_array_equal(pool, continuations(CFG, mini_params, corpus, rows=3, prompt_len=PROMPT,
+    np.testing.assert_array_equal(pool, continuations(mini, mini_params, corpus, rows=3, prompt_len=PROMPT,
                                                       seq_len=SEQ, temperature=0.0, seed=5, batch=2))
-    other = continuations(CFG, mini_params, corpus, rows=3, prompt_len=PROMPT, seq_len=SEQ, temperature=0.0, seed=6,
+    other = continuations(mini, mini_params, corpus, rows=3, prompt_len=PROMPT, seq_len=SEQ, temperature=0.0, seed=6,
                           batch=2)
     assert not np.array_equal(pool[:, :PROMPT], other[:, :PROMPT])  # the seed picks the prompts
 
 
-def test_sampled_rows_follow_the_temperature(mini_params, corpus):
+def test_sampled_rows_follow_the_temperature(mini, mini_params, corpus):
     kw = dict(rows=2, prompt_len=PROMPT, seq_len=SEQ, seed=5, batch=2)
-    greedy = continuations(CFG, mini_params, corpus, temperature=0.0, **kw)
-    sampled = continuations(CFG, mini_params, corpus, temperature=1.0, **kw)
+    greedy = continuations(mini, mini_params, corpus, temperature=0.0, **kw)
+    sampled = continuations(mini, mini_params, corpus, temperature=1.0, **kw)
     np.testing.assert_array_equal(greedy[:, :PROMPT], sampled[:, :PROMPT])  # same prompts
     assert not np.array_equal(greedy[:, PROMPT:], sampled[:, PROMPT:])
-    want = generate(CFG, mini_params, greedy[:, :PROMPT], max_new_tokens=SEQ - PROMPT, eos_id=None,
+    want = generate(mini, mini_params, greedy[:, :PROMPT], max_new_tokens=SEQ - PROMPT, eos_id=None,
                     sampling=Sampling(temperature=1.0), seed=5 * 100_003)
     np.testing.assert_array_equal(sampled[:, PROMPT:], want.tokens)
 
@@ -66,14 +64,14 @@ def test_pool_batches_are_a_function_of_seed_and_step():
     assert not np.array_equal(next(pool_batches(pool, 3, seed=2)), first[0])
 
 
-def test_bad_inputs_are_refused(mini_params, corpus):
+def test_bad_inputs_are_refused(mini, mini_params, corpus):
     kw = dict(rows=2, prompt_len=PROMPT, seq_len=SEQ, temperature=0.0, seed=0)
     for field, value, match in (("seq_len", PROMPT, "seq_len=8"), ("rows", 0, "rows=0"),
                                 ("prompt_len", 0, "prompt_len=0"), ("temperature", -1.0, "temperature=-1.0")):
         with pytest.raises(ValueError, match=match):
-            continuations(CFG, mini_params, corpus, **{**kw, field: value})
+            continuations(mini, mini_params, corpus, **{**kw, field: value})
     with pytest.raises(ValueError, match="corpus: 5 tokens"):
-        continuations(CFG, mini_params, corpus[:5], **kw)
+        continuations(mini, mini_params, corpus[:5], **kw)
     with pytest.raises(ValueError, match="pool: shape"):
         next(pool_batches(np.zeros((4,), np.int32), 2, seed=0))
     with pytest.raises(ValueError, match="batch_size=0"):

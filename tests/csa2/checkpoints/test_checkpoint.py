@@ -170,11 +170,11 @@ def test_checkpoint_of_another_layout_is_refused(tmp_path, layout):
     assert checkpoint.latest_step(directory) == 1  # the refused save wrote nothing
 
 
-def test_saving_another_config_into_a_run_is_refused(tmp_path):
+def test_saving_another_config_into_a_run_is_refused(tiny, tmp_path):
     save_small(tmp_path / "run", 1)
     with pytest.raises(ValueError, match="num_hidden_layers 8 \\(checkpoint\\) vs 40 \\(requested\\)"):
         checkpoint.save(tmp_path / "run", 2, params=small_tree(2), opt_state=(), data_step=0,
-                        rng=jax.random.PRNGKey(0), cfg=preset("tiny"))
+                        rng=jax.random.PRNGKey(0), cfg=tiny)
 
 
 def test_missing_or_empty_directory(tmp_path):

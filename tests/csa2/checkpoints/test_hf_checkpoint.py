@@ -94,11 +94,11 @@ def test_name_map_fills_every_parameter_exactly_once(name):
         assert filled[id(leaf)] == int(np.prod(leaf.shape)), jax.tree_util.keystr(path)
 
 
-def test_v41_flash_census_equals_the_released_checkpoint():
+def test_v41_flash_census_equals_the_released_checkpoint(v41_flash):
     """Tensor counts and bytes per stored dtype of the release (its 48 shard headers: 96,085 tensors,
     510,286,023,000 bytes), with the vision tower's 266 BF16 tensors (970,536,960 bytes) on top of the text model."""
     count, size = collections.Counter(), collections.Counter()
-    for t in released.tensors(preset("v41_flash")):
+    for t in released.tensors(v41_flash):
         stored = t.fmt.stored_shape(t.shape) if t.fmt else t.shape
         count[t.dtype] += 1
         size[t.dtype] += int(np.prod(stored)) * DTYPES[t.dtype].itemsize
@@ -123,8 +123,8 @@ def vision_names():
     return names + [f"aligner.w{i}.{p}" for i in (1, 2) for p in ("weight", "bias")]
 
 
-def test_dry_run_over_the_full_v41_flash_index_leaves_nothing_unmapped(tmp_path, capsys):
-    cfg = preset("v41_flash")
+def test_dry_run_over_the_full_v41_flash_index_leaves_nothing_unmapped(v41_flash, tmp_path, capsys):
+    cfg = v41_flash
     names = [n for t in released.tensors(cfg) for n in (t.name, t.scale_name) if n] + vision_names()
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {n: "model-00001-of-00048.safetensors" for n in names}}))
@@ -177,11 +177,11 @@ def test_loaded_values_are_the_hand_decoded_tensors_in_parameter_layout(released
 
 
 @pytest.mark.parametrize("name", ["mini", "tiny"])
-def test_load_save_load_is_bit_exact(name, released_mini, tmp_path):
+def test_load_save_load_is_bit_exact(tiny, name, released_mini, tmp_path):
     if name == "mini":
         cfg, first = MINI, released_mini
     else:
-        cfg, first = preset("tiny"), tmp_path / "tiny-released"
+        cfg, first = tiny, tmp_path / "tiny-released"
         save_hf(random_params(cfg, 1), cfg, first, formats="released")
     _, params = load_hf(first, cfg)
     save_hf(params, cfg, tmp_path / "float")
@@ -294,7 +294,7 @@ def test_a_config_that_does_not_match_the_weights_is_refused(released_mini, tmp_
         load_hf(bad, MINI)
 
 
-def test_bad_arguments_are_refused(released_mini, tmp_path):
+def test_bad_arguments_are_refused(tiny, released_mini, tmp_path):
     with pytest.raises(ValueError, match=r"dtype='float16'.*float32 or bfloat16"):
         load_hf(released_mini, dtype="float16")
     with pytest.raises(ValueError, match=r"no config.json"):
@@ -302,7 +302,7 @@ def test_bad_arguments_are_refused(released_mini, tmp_path):
     with pytest.raises(ValueError, match=r"formats='fp8'"):
         save_hf(random_params(MINI, 0), MINI, tmp_path / "x", formats="fp8")
     with pytest.raises(ValueError, match=r"parameter structure of cfg"):
-        save_hf(random_params(MINI, 0), preset("tiny"), tmp_path / "y")
+        save_hf(random_params(MINI, 0), tiny, tmp_path / "y")
 
 
 # ---------------------------------------------------------------------------------------------
