@@ -162,7 +162,7 @@ class OnMesh:
         static = tuple((n, v) for n, v in bound.arguments.items() if n in static_names or v is None)
         names = [n for n, v in bound.arguments.items() if n not in static_names and v is not None]
         values = [bound.arguments[n] for n in names]
-        key = static + tuple((jax.tree.structure(v), tuple(map(np.shape, jax.tree.leaves(v)))) for v in values)
+        key = static + tuple((jax.tree.structure(v), tuple(jnp.shape(x) for x in jax.tree.leaves(v))) for v in values)
         if key not in self._programs:
             placed = {n: self.shardings(n, v) for n, v in zip(names, values)}
             fn = _by_name(entry._fn, dict(static), names)
