@@ -29,10 +29,11 @@ def init_stack(cfg, key):
 
 
 def context(state, start, n_valid, floor=None, *, quantize=True, instrument=OWN_TOPK):
-    """The `Context` of a chunk at `start` with `n_valid` real rows (no Engram, every row, any write)."""
+    """The `Context` of a chunk at `start` with `n_valid` real rows (no Engram, every row, any write), every
+    layer's window floored at `floor` (default 0)."""
     chunk = Chunk(start=start, n_valid=n_valid, floor=jnp.zeros_like(start) if floor is None else floor)
     return Context(chunk=chunk, history=None, rows=None, written_from=None, quantize=quantize,
-                   instrument=instrument, entries=largest_source(state))
+                   instrument=instrument, entries=largest_source(state), split=0, decoder_floor=chunk.floor)
 
 
 def stack_step(cfg, params, state, h, start, n_valid, floor=None, *, quantize=True):
