@@ -77,7 +77,7 @@ def test_greedy_equals_host_loop(params, greedy):
 def test_ragged_rows_equal_rows_alone_and_compile_once(params, greedy):
     """Each row of the ragged batch equals that prompt run alone (as a batch of two copies); prompts of
     the same bucket reuse the one compiled loop."""
-    compiled = generate_loop._cache_size()
+    compiled = generate_loop.cache_size()
     for i, p in enumerate(PROMPTS):
         alone = _gen(params, [p, p])
         np.testing.assert_array_equal(alone.tokens, np.stack([greedy.tokens[i]] * 2))
@@ -87,7 +87,7 @@ def test_ragged_rows_equal_rows_alone_and_compile_once(params, greedy):
     for i, p in enumerate(PROMPTS):
         padded[i, :p.size] = p
     np.testing.assert_array_equal(_gen(params, padded, [p.size for p in PROMPTS]).tokens, greedy.tokens)
-    assert generate_loop._cache_size() == compiled
+    assert generate_loop.cache_size() == compiled
 
 
 def _early_eos(tokens):
@@ -104,7 +104,7 @@ def test_eos_stops_one_row(params, greedy):
     """EOS = the token row r emits at step k: that row ends with it (length k+1, PAD after, state length
     frozen); the other row runs on unchanged. No recompile: the EOS id is traced."""
     row, k, eos = _early_eos(greedy.tokens)
-    compiled = generate_loop._cache_size()
+    compiled = generate_loop.cache_size()
     out = _gen(params, eos_id=eos)
     other = 1 - row
     np.testing.assert_array_equal(out.tokens[row, :k + 1], greedy.tokens[row, :k + 1])
@@ -118,7 +118,7 @@ def test_eos_stops_one_row(params, greedy):
     np.testing.assert_array_equal(both.lengths, [1, 1])
     assert (both.tokens[:, 1:] == PAD_ID).all()
     np.testing.assert_array_equal(both.state.length, [PROMPTS[0].size] * 2)
-    assert generate_loop._cache_size() == compiled
+    assert generate_loop.cache_size() == compiled
 
 
 def test_sampling_is_seeded_and_tiny_top_p_is_greedy(params, greedy):
