@@ -162,6 +162,8 @@ class OnMesh:
         static = tuple((n, v) for n, v in bound.arguments.items() if n in static_names or v is None)
         names = [n for n, v in bound.arguments.items() if n not in static_names and v is not None]
         values = [bound.arguments[n] for n in names]
+        # A program per static values and argument shapes: its placements (and their checks, e.g. a batch that
+        # splits over `data`) depend on nothing else, so a cached program needs no per-call host work.
         key = static + tuple((jax.tree.structure(v), tuple(jnp.shape(x) for x in jax.tree.leaves(v))) for v in values)
         if key not in self._programs:
             placed = {n: self.shardings(n, v) for n, v in zip(names, values)}
@@ -171,9 +173,6 @@ class OnMesh:
             self._programs[key] = jax.jit(fn, in_shardings=tuple(placed[n] for n in names),
                                           out_shardings=self._out(entry._out, shapes, placed),
                                           donate_argnums=tuple(i for i, n in enumerate(names) if n in donate))
-        else:
-            for n, v in zip(names, values):  # the placements' own checks (a batch that does not split)
-                self.shardings(n, v)
         return self._programs[key], values
 
     def _out(self, spec, shapes, placed: dict):
@@ -189,6 +188,9 @@ class OnMesh:
             if missing:
                 raise ValueError(f"{self.entry.__name__}: output keys {missing} have no placement in its out=")
             return {k: self._out(spec[k], v, placed) for k, v in shapes.items()}
+        if len(spec) != len(shapes):
+            raise ValueError(f"{self.entry.__name__}: out= places {len(spec)} outputs, the function returns "
+                             f"{len(shapes)}")
         return type(spec)(self._out(s, v, placed) for s, v in zip(spec, shapes))
 
 
