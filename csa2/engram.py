@@ -59,6 +59,7 @@ a = +0 gives σ(+1e-3), not σ(0). `X_k ← X_k + g · value`, gating in float32
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -69,7 +70,7 @@ from flax import nnx
 
 from csa2.config import ModelConfig
 from csa2.norm import rms_norm
-from csa2.params import constant, linear, normal, ones
+from csa2.params import Normal, constant, linear, normal, ones
 from pallas_kernels.formats import WINDOW
 from pallas_kernels.stored import Stored
 
@@ -244,6 +245,22 @@ def engram_hashes(cfg: ModelConfig, layer: int, history: Array) -> Array:
 # ---------------------------------------------------------------------------------------------
 # Parameters and the gated write
 
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """The initializer (`csa2.params.Initializer`) of a packed table's `part` ("payload" or "scale"): the float
+    table's `Normal(std)` draw of rows `[..., width]`, packed. Both parts draw the stream of the float table
+    (`stream="table"`), so they pack one draw, and a packed model holds its float twin's table, packed."""
+
+    std: float
+    width: int
+    part: str
+    stream: str | None = "table"
+
+    def __call__(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        rows = Normal(self.std)(rng, (*shape[:-1], self.width))
+        return np.asarray(getattr(Stored.quantized(jnp.asarray(rows), WINDOW), self.part))
+
+
 class EngramRows(nnx.Variable):
     """A packed table (`engram_table_format="fp8"`): e4m3 payload bits `[rows, hd]` or their UE8M0 scale bits
     `[rows, hd/32]`, uint8. Bits are not trained; train with the float table."""
@@ -260,8 +277,9 @@ class Engram(nnx.Module):
         table = normal(rngs, (engram_table_rows(cfg, layer), hd), std, axes)
         if cfg.engram_table_format == "fp8":
             packed = Stored.quantized(table.get_value(), WINDOW)
-            self.table = constant(packed.payload, axes, EngramRows)
-            self.table_scale = constant(packed.scale, ("engram_rows", "engram_scales"), EngramRows)
+            self.table = constant(packed.payload, axes, EngramRows, PackedRows(std, hd, "payload"))
+            self.table_scale = constant(packed.scale, ("engram_rows", "engram_scales"), EngramRows,
+                                        PackedRows(std, hd, "scale"))
         else:
             self.table = table
         self.wkv = normal(rngs, (n_tables(cfg) * hd, (hc + 1) * d), std, ("engram_in", "engram_out"))

@@ -22,6 +22,8 @@ one with `from_tokenizer` (`csa2.checkpoints.load_hf` does, from the checkpoint'
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,10 +44,26 @@ def has_table(cfg: ModelConfig) -> bool:
     return bool(cfg.engram_layer_ids) and cfg.engram_compressed_vocab_size < cfg.vocab_size
 
 
+@dataclasses.dataclass(frozen=True)
+class DefaultTable:
+    """The table's initializer (`csa2.params.Initializer`): identity on `[0, compressed_size)`, `pad_id` above."""
+
+    compressed_size: int
+    pad_id: int
+    stream: str | None = None
+
+    def __call__(self, rng: np.random.Generator | None, shape: tuple[int, ...]) -> np.ndarray:
+        ids = np.arange(shape[0], dtype=np.int32)
+        return np.where(ids < self.compressed_size, ids, self.pad_id).astype(np.int32)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "DefaultTable":
+        return cls(cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
+
+
 def default_table(cfg: ModelConfig) -> np.ndarray:
     """The table of a freshly initialised model: identity on `[0, V_c)`, the pad's id for ids ≥ V_c."""
-    ids = np.arange(cfg.vocab_size, dtype=np.int32)
-    return np.where(ids < cfg.engram_compressed_vocab_size, ids, cfg.engram_pad_id).astype(np.int32)
+    return DefaultTable.of(cfg)(None, (cfg.vocab_size,))
 
 
 def compressed(params: dict, tokens: Array) -> Array:

@@ -17,7 +17,6 @@ Each entry point checks its arguments on the host before tracing (`csa2.boundary
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from csa2.config import ModelConfig
 from csa2.layout import layer_groups
 from csa2.mesh import PARAMS, REPLICATED, ROWS
 from csa2.moe import bias_update
-from csa2.params import arrays, constant, normal, ones
+from csa2.params import arrays, constant, initialize, normal, ones
 from csa2.replay import EXACT, Extend, ReplayPolicy
 from csa2.chunk import take_rows
 from csa2.hooks import OWN_TOPK, Instrument
@@ -60,7 +59,8 @@ class Model(nnx.Module):
         self.norm = ones((d,), ("embed",))
         self.head = normal(rngs, (d, v), std, ("embed", "vocab"))
         if engram_vocab.has_table(cfg):
-            self.engram_vocab = constant(engram_vocab.default_table(cfg), ("vocab",), engram_vocab.CompressedVocab)
+            self.engram_vocab = constant(engram_vocab.default_table(cfg), ("vocab",), engram_vocab.CompressedVocab,
+                                         engram_vocab.DefaultTable.of(cfg))
         if cfg.num_nextn_predict_layers:
             self.drafter = dspark.Drafter(cfg, rngs)
 
@@ -69,12 +69,11 @@ class Model(nnx.Module):
         return forward(self.cfg, nnx.state(self), tokens)[0]
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def init_params(cfg: ModelConfig, key: Array) -> nnx.State:
     """All parameters, as the `nnx.State` of `Model(cfg)`: float32 `Param`s and `RouterBias` variables, and the int32
-    `CompressedVocab` when the model has one."""
-    _, params = nnx.split(Model(cfg, nnx.Rngs(key)))
-    return params
+    `CompressedVocab` when the model has one, each drawn on the host by its declared initializer from `key` and its
+    path (`csa2.params.initialize`: no program is compiled). `key` must be concrete (not traced)."""
+    return initialize(abstract_params(cfg), key)
 
 
 def as_module(cfg: ModelConfig, params: nnx.State) -> Model:
@@ -84,8 +83,8 @@ def as_module(cfg: ModelConfig, params: nnx.State) -> Model:
 
 
 def abstract_params(cfg: ModelConfig) -> nnx.State:
-    """`init_params` as shapes only (nothing allocated): restore targets, memory plans."""
-    return jax.eval_shape(lambda key: init_params(cfg, key), jax.ShapeDtypeStruct((2,), jnp.uint32))
+    """`init_params` as shapes only (traced, nothing allocated or compiled): restore targets, memory plans."""
+    return nnx.state(nnx.eval_shape(lambda: Model(cfg, nnx.Rngs(0))))
 
 
 # ---------------------------------------------------------------------------------------------

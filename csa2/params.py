@@ -1,47 +1,111 @@
-"""Parameter declarations shared by every module, and the compute-dtype matmul (DESIGN §2, §6).
+"""Parameter declarations shared by every module, their initializers, and the compute-dtype matmul (DESIGN §2, §6).
 
-Modules (`flax.nnx`) only declare parameters: each one is float32, drawn by its initializer and
-tagged with its logical axis names (`out_sharding` metadata, e.g. `("embed", "q_lora")`), which a
-mesh's rules map to devices. Nothing is sharded eagerly here. The math lives in pure functions
-that read a plain dict of arrays (`arrays`), never a module.
+Modules (`flax.nnx`) only declare parameters: each one is float32 (or a packed/integer table that is data), tagged
+with its logical axis names (`out_sharding` metadata, e.g. `("embed", "q_lora")`), which a mesh's rules map to
+devices, and with its initializer (`init` metadata: `Normal(std)`, `Fill(value)`, or a table's own). Nothing is
+sharded eagerly here. The math lives in pure functions that read a plain dict of arrays (`arrays`), never a module.
+
+Two ways to get values. A module constructed with `nnx.Rngs` draws its own with JAX (tests build single modules
+so). A whole model is drawn by `initialize`: its parameters' shapes come from `nnx.eval_shape` (a trace, nothing
+compiled) and each leaf is drawn on the host by its declared initializer from a NumPy generator seeded with the
+key and the leaf's path. Tracing and compiling one JAX draw per parameter shape costs about a minute for the `tiny`
+preset on two CPU cores; the host draws take a fraction of a second. Per-path seeds make a leaf's value independent
+of every other leaf (adding a parameter moves no other), and a stacked leaf `[groups, layers, ...]` is one draw.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import zlib
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Array = jax.Array
 Axes = tuple[str, ...]
 
 
-def _declare(kind: type[nnx.Variable], value: Array, axes: Axes) -> nnx.Variable:
+class Initializer(Protocol):
+    """Draws a parameter's host value of `shape` from `rng`. Hashable (it is `nnx.Variable` metadata, so part of
+    the state's tree structure). `stream` names the seed's last path element (None: the leaf's own name), so
+    leaves drawn from one underlying draw (a packed table's payload and scales) name the same one."""
+
+    stream: str | None
+
+    def __call__(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Normal:
+    """N(0, std²), float32."""
+
+    std: float
+    stream: str | None = None
+
+    def __call__(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        return np.float32(self.std) * rng.standard_normal(shape, dtype=np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    """Every entry `value`, float32 (RMSNorm weights and mHC scales: 1; sinks, mHC biases, router biases: 0)."""
+
+    value: float
+    stream: str | None = None
+
+    def __call__(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        return np.full(shape, self.value, np.float32)
+
+
+def initialize(declared: nnx.State, key: Array) -> nnx.State:
+    """`declared` (a state of shapes, from `nnx.eval_shape`) with every leaf drawn on the host by its `init`
+    metadata, from `np.random.default_rng([*key_data, crc32(path)])`, path the leaf's `/`-joined path with its last
+    element replaced by the initializer's `stream` when it names one. Returns device arrays (default device)."""
+    if isinstance(key, jax.core.Tracer):
+        raise ValueError("key: initialize draws on the host, so the key must be concrete, not traced under "
+                         "jit/vmap/eval_shape; call it outside the transform (abstract shapes: `nnx.eval_shape`)")
+    words = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
+    if words.dtype != np.uint32:
+        raise ValueError(f"key: dtype {words.dtype}; pass jax.random.key(seed) or jax.random.PRNGKey(seed)")
+    seed = [int(w) for w in words.ravel()]
+
+    def draw(path: tuple, variable: nnx.Variable) -> nnx.Variable:
+        init = variable.get_metadata()["init"]
+        names = [str(p) for p in path[:-1]] + [init.stream or str(path[-1])]
+        rng = np.random.default_rng([*seed, zlib.crc32("/".join(names).encode())])
+        return variable.replace(jnp.asarray(init(rng, variable.shape)))
+
+    return nnx.from_flat_state([(path, draw(path, v)) for path, v in nnx.to_flat_state(declared)])
+
+
+def _declare(kind: type[nnx.Variable], value: Array, axes: Axes, init: Initializer) -> nnx.Variable:
     if len(axes) != value.ndim:
         raise ValueError(f"logical axes {axes} do not match the parameter shape {value.shape}; name every axis")
-    return kind(value, out_sharding=axes, eager_sharding=False)
+    return kind(value, out_sharding=axes, eager_sharding=False, init=init)
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: Axes) -> nnx.Param:
     """A weight `[..., fan_in, fan_out]` drawn from N(0, std²), float32."""
-    return _declare(nnx.Param, std * jax.random.normal(rngs.params(), shape, jnp.float32), axes)
+    return _declare(nnx.Param, std * jax.random.normal(rngs.params(), shape, jnp.float32), axes, Normal(std))
 
 
 def ones(shape: tuple[int, ...], axes: Axes) -> nnx.Param:
     """A weight of ones (RMSNorm weights, mHC scales)."""
-    return _declare(nnx.Param, jnp.ones(shape, jnp.float32), axes)
+    return _declare(nnx.Param, jnp.ones(shape, jnp.float32), axes, Fill(1.0))
 
 
 def zeros(shape: tuple[int, ...], axes: Axes, kind: type[nnx.Variable] = nnx.Param) -> nnx.Variable:
     """A weight of zeros (sinks, mHC biases), or a zero variable of another type."""
-    return _declare(kind, jnp.zeros(shape, jnp.float32), axes)
+    return _declare(kind, jnp.zeros(shape, jnp.float32), axes, Fill(0.0))
 
 
-def constant(value: Array, axes: Axes, kind: type[nnx.Variable]) -> nnx.Variable:
-    """A variable of type `kind` holding `value` as given (tables that are data, not trained weights)."""
-    return _declare(kind, jnp.asarray(value), axes)
+def constant(value: Array, axes: Axes, kind: type[nnx.Variable], init: Initializer) -> nnx.Variable:
+    """A variable of type `kind` holding `value` as given (tables that are data, not trained weights); `init` draws
+    the same value on the host (`initialize`)."""
+    return _declare(kind, jnp.asarray(value), axes, init)
 
 
 def arrays(params: nnx.State) -> dict[str, Any]:

@@ -4,6 +4,7 @@ import io
 import contextlib
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -11,7 +12,11 @@ from flax import nnx
 from csa2 import model
 from csa2.layout import layer_groups, layer_plan
 from csa2.moe import RouterBias, bias_update
-from csa2.params import arrays
+from csa2.engram import PackedRows
+from csa2.engram_vocab import DefaultTable
+from csa2.params import Fill, Normal, arrays
+from pallas_kernels.formats import WINDOW
+from pallas_kernels.stored import Stored
 from csa2.stack import layer_params
 
 
@@ -56,10 +61,70 @@ def test_layout_follows_the_layer_groups(tiny, tiny_params):
 
 
 def test_layers_are_initialized_independently(tiny, tiny_params):
-    """split_rngs gives every stacked layer its own draw."""
+    """Every stacked layer gets its own part of its leaf's draw."""
     p = arrays(tiny_params)
     w = [np.asarray(layer_params(tiny, p, i)["attn"]["wq_a"]) for i in (3, 4, 9)]
     assert not np.allclose(w[0], w[1]) and not np.allclose(w[0], w[2])
+
+
+def test_every_leaf_holds_a_draw_of_its_declared_initializer(tiny, tiny_params):
+    """Normal(std) leaves have mean 0 and standard deviation std (to 5 standard errors of the estimate), Fill
+    leaves are that value, the vocabulary table is its default; the abstract state has the same structure."""
+    assert jax.tree.structure(model.abstract_params(tiny)) == jax.tree.structure(tiny_params)
+    kinds = set()
+    for path, v in _variables(tiny_params):
+        init, x = v.get_metadata()["init"], np.asarray(v.get_value(), np.float64)
+        kinds.add(type(init))
+        if isinstance(init, Normal):
+            n = x.size
+            assert abs(x.mean()) < 5 * init.std / np.sqrt(n), path
+            assert abs(x.std() / init.std - 1) < 5 / np.sqrt(2 * n) + 1e-6, path
+        elif isinstance(init, Fill):
+            assert np.all(x == init.value), path
+        else:
+            np.testing.assert_array_equal(x, init(None, x.shape), err_msg=str(path))
+    assert kinds == {Normal, Fill}  # tiny has no vocabulary table and float Engram rows
+
+
+def test_init_is_a_function_of_the_key_and_each_leafs_own_path(mini, mini_params):
+    """Same key, same values; another key, other values; a leaf's values do not depend on the other leaves (a model
+    with wider experts keeps every leaf but the experts')."""
+    again, other = model.init_params(mini, jax.random.PRNGKey(0)), model.init_params(mini, jax.random.PRNGKey(1))
+    for (path, a), (_, b), (_, c) in zip(_variables(mini_params), _variables(again), _variables(other)):
+        np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(path))
+        if isinstance(a.get_metadata()["init"], Normal):
+            assert not np.array_equal(a.get_value(), c.get_value()), path
+    wider = dict(_variables(model.init_params(mini.replace(moe_intermediate_size=2 * mini.moe_intermediate_size),
+                                              jax.random.PRNGKey(0))))
+    for path, v in _variables(mini_params):
+        if path[-1] not in ("w1", "w2", "w3"):
+            np.testing.assert_array_equal(wider[path].get_value(), v.get_value(), err_msg=str(path))
+    typed = model.init_params(mini, jax.random.key(0))
+    np.testing.assert_array_equal(typed["embed"].get_value(), mini_params["embed"].get_value())
+
+
+def test_packed_engram_rows_are_the_float_twins_rows_packed(mini):
+    """`engram_table_format="fp8"`: payload and scales pack the one draw the float model holds as its table; the
+    compressed vocabulary table is its default."""
+    cfg = mini.replace(engram_head_dim=32)
+    packed_cfg = cfg.replace(engram_table_format="fp8", engram_compressed_vocab_size=cfg.vocab_size - 6, engram_pad_id=0)
+    floats = nnx.to_flat_state(model.init_params(cfg, jax.random.PRNGKey(5)))
+    packed = dict(nnx.to_flat_state(model.init_params(packed_cfg, jax.random.PRNGKey(5))))
+    tables = [(path, v) for path, v in floats if path[-2:] == ("engram", "table")]
+    assert tables
+    for path, v in tables:
+        want = Stored.quantized(v.get_value(), WINDOW)
+        assert isinstance(packed[path].get_metadata()["init"], PackedRows)
+        np.testing.assert_array_equal(packed[path].get_value(), want.payload)
+        np.testing.assert_array_equal(packed[path[:-1] + ("table_scale",)].get_value(), want.scale)
+    vocab = packed[("engram_vocab",)]
+    assert vocab.get_metadata()["init"] == DefaultTable.of(packed_cfg)
+    np.testing.assert_array_equal(vocab.get_value()[-7:], [packed_cfg.vocab_size - 7] + [0] * 6)
+
+
+def test_init_params_refuses_a_traced_key(mini):
+    with pytest.raises(ValueError, match="key: initialize draws on the host"):
+        jax.jit(lambda k: model.init_params(mini, k))(jax.random.PRNGKey(0))
 
 
 def test_display_and_tabulate_tiny(tiny, tiny_params):
