@@ -12,6 +12,7 @@ import time
 import nbformat
 from nbclient import NotebookClient
 
+from csa2 import compile_cache
 from train.longctx import FAST_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -49,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.notebooks", description=__doc__)
     p.add_argument("names", nargs="*", help="notebook stems (default: all)")
     p.add_argument("--fast", action="store_true", help="CI sizes; nothing is written")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    if args.compile_cache is not None:  # each notebook enables the cache in its own kernel, which reads this
+        os.environ[compile_cache.ENV] = args.compile_cache
     try:
         selected = paths(args.names)
     except ValueError as e:

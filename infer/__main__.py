@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from csa2 import compile_cache
+
 EXIT_BAD_INPUT = 2
 
 
@@ -35,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--replay-window", type=int, default=128, help="decoder replay window R (SPEC §11)")
     replay.add_argument("--exact", action="store_true", help="exact prefill: every position through every layer")
     ap.add_argument("--seed", type=int, default=0)
+    compile_cache.add_argument(ap)
     return ap
 
 
@@ -59,6 +62,7 @@ def _main(args) -> None:
         raise CliError(f"checkpoint directory {args.checkpoint} does not exist; pass the --out directory of a "
                        "training run (python -m train)")
     texts = _prompts(args)
+    compile_cache.enable(args.compile_cache)
     import jax
 
     from csa2.checkpoints.native import load_config, restore_params

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import model
+from csa2 import compile_cache, model
 from csa2.presets import PRESETS, preset
 from csa2.replay import EXACT, ReplayPolicy, token_layers
 from csa2.state import init_state, state_bytes, token_granule
@@ -449,11 +449,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="skip a part")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
+    compile_cache.add_argument(ap, fallback=False)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    compile_cache.enable(args.compile_cache, fallback=False)
     contexts = args.contexts or ([256, 1024] if args.quick else [2048, 8192])
     decode_contexts = args.decode_contexts or ([128, 512] if args.quick else [512, 2048])
     steps = args.decode_steps or (10 if args.quick else 20)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import model
+from csa2 import compile_cache, model
 from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
 from csa2.tokenizer import encode
@@ -214,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=64,
                     help="held-out prompts for the acceptance figures with 95 %% intervals (0: skip them)")
     ap.add_argument("--acceptance-batch", type=int, default=16, help="rows per speculative call for --prompts")
+    compile_cache.add_argument(ap)
     args = ap.parse_args(argv)
     try:
+        compile_cache.enable(args.compile_cache)
         cfg, params = load(args.checkpoint, args.drafter)
         path = args.sps or os.path.join(args.checkpoint, "sps.json")
 

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import sys
 
+from csa2 import compile_cache
 from csa2.presets import PRESETS, preset
 from train import longctx
 from train.data import load_corpus
@@ -19,7 +20,7 @@ RECIPES = ("longctx",)
 _TRAIN_FIELDS = {"steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "warmup": "warmup",
                  "index_loss_weight": "index_loss_weight", "dense_warmup": "dense_warmup_steps",
                  "replay_window": "replay_window", "seed": "seed", "qat_from": "qat_from"}  # flag → TrainConfig field
-_RECIPE_FLAGS = ("out", "quiet", "float")  # the only flags a --recipe run takes: the recipe fixes everything else
+_RECIPE_FLAGS = ("out", "quiet", "float", "compile_cache")  # the only flags a --recipe run takes: the recipe fixes everything else
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -43,6 +44,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replay-window", type=int, default=None, help="train on the SPEC §11 decoder tail of R tokens")
     p.add_argument("--seed", type=int, default=None, help=f"(default {d.seed})")
     p.add_argument("--quiet", action="store_true", default=None, help="no JSON line per step on stdout")
+    compile_cache.add_argument(p)
     return p.parse_args(argv)
 
 
@@ -80,6 +82,7 @@ def run_recipe(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
+        compile_cache.enable(args.compile_cache)
         if args.recipe is not None:
             return run_recipe(args)
         if args.out is None:

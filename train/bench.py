@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import mesh as mesh_lib
+from csa2 import compile_cache, mesh as mesh_lib
 from csa2.presets import PRESETS, preset
 from infer.bench_model import Reporter, config_info, machine_info
 from train.plan import parse_mesh, rerun_with_devices
@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the compiled first one")
     ap.add_argument("--float", action="store_true", help="ablation: float forward (default: SPEC §8 fake-quant)")
     ap.add_argument("--mesh", default=None, help="also time the step sharded on this mesh, e.g. data=8")
+    compile_cache.add_argument(ap, fallback=False)
     args = ap.parse_args(argv)
+    compile_cache.enable(args.compile_cache, fallback=False)
     if min(args.batch_size, args.seq_len, args.steps) < 1:
         print("error: --batch-size, --seq-len and --steps must be ≥ 1", file=sys.stderr)
         return 2

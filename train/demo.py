@@ -24,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from csa2 import model
+from csa2 import compile_cache, model
 from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state, kv_bytes_per_token
@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--dspark-steps", type=int, default=100)
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.enable(args.compile_cache)
     t0 = time.perf_counter()
     cfg = preset(args.preset)
     corpus = load_corpus()
