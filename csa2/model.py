@@ -25,14 +25,14 @@ from flax import nnx
 
 from csa2 import boundary, dspark, engram_vocab
 from csa2.boundary import entry_point
+from csa2.chunk import take_rows
 from csa2.config import ModelConfig
+from csa2.hooks import OWN_TOPK, Instrument
 from csa2.layout import layer_groups
 from csa2.mesh import PARAMS, REPLICATED, ROWS
 from csa2.moe import bias_update
 from csa2.params import arrays, constant, normal, ones
 from csa2.replay import EXACT, Extend, ReplayPolicy
-from csa2.chunk import take_rows
-from csa2.hooks import OWN_TOPK, Instrument
 from csa2.stack import StackOut, logits as head_logits, split_layers, stack, stacked_layers
 from csa2.state import State, init_state, token_granule
 

@@ -37,8 +37,8 @@ import numpy as np
 from csa2 import model
 from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
-from csa2.tokenizer import encode
 from csa2.state import init_state, token_granule
+from csa2.tokenizer import encode
 from infer import generate, stats
 from infer.bench_model import machine_info
 from infer.schedule import SpsTable, config_fingerprint

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plt
+from jax.experimental.pallas import tpu as pltpu, triton as plt
 
 from pallas_kernels.formats import INDEX, MAIN, WINDOW, QuantFormat
 from pallas_kernels.stored import Stored

@@ -20,7 +20,6 @@ import re
 import subprocess
 import sys
 
-
 TESTS = pathlib.Path(__file__).parent
 ORDER = ("SSE4_2", "AVX", "AVX2", "AVX512")  # the --xla_cpu_max_isa values this test moves between
 

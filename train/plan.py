@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import mesh as mesh_lib, model, sharding
-from csa2 import state as state_lib
+from csa2 import mesh as mesh_lib, model, sharding, state as state_lib
 from csa2.config import ENGRAM_TABLE_FORMATS, ModelConfig
 from csa2.presets import PRESETS, preset
 from csa2.state import CACHE_FORMATS

@@ -46,8 +46,8 @@ from csa2.checkpoints.released import Tensor
 from csa2.checks import tree_bytes
 from csa2.config import RUNTIME, VARIANT, ModelConfig, fields_of, model_differences
 from csa2.engram import engram_table_rows
-from csa2.model import abstract_params
 from csa2.mesh import HostShards, Rules
+from csa2.model import abstract_params
 from csa2.sharding import param_shardings
 
 CONFIG = "config.json"

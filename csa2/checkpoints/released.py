@@ -43,7 +43,7 @@ import numpy as np
 
 from csa2.checkpoints.weights import FP4, FP8_BLOCK, FP8_ROWS, WeightFormat
 from csa2.config import ModelConfig
-from csa2.dspark import DRAFTER, stage_spec, draft_moe_config
+from csa2.dspark import DRAFTER, draft_moe_config, stage_spec
 from csa2.engram import engram_table_rows, n_tables
 from csa2.layout import LayerSpec, layer_groups, layer_plan
 

@@ -5,9 +5,8 @@ import ast
 import copy
 import dataclasses
 import functools
-import pathlib
-
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp

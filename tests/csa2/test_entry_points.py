@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from csa2 import model
-from csa2.presets import preset
 from csa2.index_loss import IndexLoss
+from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state
 from tests.csa2.helpers import keep, tokens

@@ -15,8 +15,25 @@ import pytest
 
 from csa2.layout import layer_plan
 from csa2.presets import preset
-from research.selection import (H2O, Oracle, PyramidKV, Quest, SnapKV, StreamingLLM, View, sink_softmax,
-                            fill_newest, h2o, newest, oracle, quest, recent_count, snapkv, streaming_llm, top)
+from research.selection import (
+    H2O,
+    Oracle,
+    PyramidKV,
+    Quest,
+    SnapKV,
+    StreamingLLM,
+    View,
+    fill_newest,
+    h2o,
+    newest,
+    oracle,
+    quest,
+    recent_count,
+    sink_softmax,
+    snapkv,
+    streaming_llm,
+    top,
+)
 
 MINI = preset("mini")  # 8 layers, layer 0 SWA, index_topk 16
 D = 64
