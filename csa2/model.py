@@ -260,7 +260,8 @@ def _check_forward(cfg, params, tokens, qat, replay, features, instrument) -> No
     instrument.check(cfg, jnp.shape(tokens), replay)
 
 
-@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "features"), place=dict(params=PARAMS, tokens=ROWS),
+@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "features"),
+             place=dict(params=PARAMS, tokens=ROWS),
              out=(ROWS, {"load": REPLICATED, "rows": ROWS, "features": ROWS, "tap": REPLICATED}))
 def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = False, replay: ReplayPolicy = EXACT,
             features: bool = False, instrument: Instrument = OWN_TOPK) -> tuple[Array, dict]:
