@@ -100,7 +100,8 @@ def test_hashes_exact_with_multipliers_at_top_of_range(cfg, monkeypatch):
 def test_uint32_pair_arithmetic_is_exact():
     rng = np.random.default_rng(3)
     a = np.concatenate([rng.integers(0, 2**32, 200, dtype=np.uint64), [0, 1, 2**32 - 1, 2**31]]).astype(np.uint32)
-    b = np.concatenate([rng.integers(0, 2**32, 200, dtype=np.uint64), [2**32 - 1, 0, 2**32 - 1, 2**31]]).astype(np.uint32)
+    b = np.concatenate([rng.integers(0, 2**32, 200, dtype=np.uint64),
+                        [2**32 - 1, 0, 2**32 - 1, 2**31]]).astype(np.uint32)
     hi, lo = E._mul32(jnp.asarray(a), jnp.asarray(b))
     got = [(int(high) << 32) | int(low) for high, low in zip(np.asarray(hi), np.asarray(lo))]
     assert got == [int(x) * int(y) for x, y in zip(a, b)]
