@@ -21,7 +21,9 @@ $(STAMP): pyproject.toml
 # so two workers use CI's second core.
 TEST_WORKERS ?= 2
 
+# The linter runs first (pyproject.toml's [tool.ruff]; alone: `.venv/bin/ruff check .`): a lint error fails the target.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)

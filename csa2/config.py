@@ -60,7 +60,8 @@ class ModelConfig:
     qk_rope_head_dim: int = _released(64)
     rope_theta: float = _released(10000.0)
     compress_rope_theta: float = _released(160000.0)
-    rope_scaling: YarnScaling = _released(YarnScaling(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0))
+    rope_scaling: YarnScaling = _released(YarnScaling(factor=16.0, original_max_position_embeddings=65536,
+                                                      beta_fast=32.0, beta_slow=1.0))
     max_position_embeddings: int = _released(1048576)
     # --- sliding window + CSA2 (SPEC §2, §4, §5)
     sliding_window: int = _released(128)
@@ -112,9 +113,11 @@ class ModelConfig:
     # --- framework fields
     dtype: str = _framework("bfloat16", RUNTIME)  # compute dtype; params and statistics stay float32 (DESIGN §6)
     kernel_impl: str = _framework("xla", RUNTIME)  # one of pallas_kernels.ops.CHOICES: kernels off CPU (DESIGN §4)
-    max_draft: int = _framework(5, RUNTIME)  # most drafts a verify block carries (γ); SWA rings hold W + max_draft slots
+    # most drafts a verify block carries (γ); SWA rings hold W + max_draft slots
+    max_draft: int = _framework(5, RUNTIME)
     mhc_single_pass: bool = _framework(True, VARIANT)  # SPEC §10: V4.1 collapses each site with the previous site's pre
-    engram_table_format: str = _framework("float", VARIANT)  # "float" (trainable) | "fp8": FP8 rows as released (SPEC §10b)
+    # "float" (trainable) | "fp8": FP8 rows as released (SPEC §10b)
+    engram_table_format: str = _framework("float", VARIANT)
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
@@ -173,7 +176,8 @@ def _check_layer_ids(cfg: ModelConfig, field: str) -> None:
         fail(f"ModelConfig.{field}", ids, "list each layer once, in increasing order")
     for i in ids:
         if not 0 <= i < cfg.num_hidden_layers:
-            fail(f"ModelConfig.{field}", ids, f"layer {i} is outside the model; use ids in [0, {cfg.num_hidden_layers})")
+            fail(f"ModelConfig.{field}", ids,
+                 f"layer {i} is outside the model; use ids in [0, {cfg.num_hidden_layers})")
 
 
 def validate(cfg: ModelConfig) -> None:
@@ -202,7 +206,8 @@ def validate(cfg: ModelConfig) -> None:
         fail("ModelConfig.candidate_block_size", block, "the Pallas block-max kernel needs a power of two; use 4, 8, … "
               "or kernel_impl='xla'")
     if cfg.scoring_func != "sqrtsoftplus":
-        fail("ModelConfig.scoring_func", cfg.scoring_func, "V4.1 routes with 'sqrtsoftplus' (SPEC §9); no other router is implemented")
+        fail("ModelConfig.scoring_func", cfg.scoring_func,
+              "V4.1 routes with 'sqrtsoftplus' (SPEC §9); no other router is implemented")
     for name in ("rms_norm_eps", "hc_eps", "gate_temp", "routed_scaling_factor", "swiglu_limit",
                  "rope_theta", "compress_rope_theta"):
         value = getattr(cfg, name)
@@ -211,7 +216,8 @@ def validate(cfg: ModelConfig) -> None:
     y = cfg.rope_scaling
     if not (isinstance(y, YarnScaling) and y.factor >= 1 and y.original_max_position_embeddings >= 1
             and y.beta_fast > y.beta_slow > 0):
-        fail("ModelConfig.rope_scaling", y, "YaRN needs factor ≥ 1, original_max_position_embeddings ≥ 1 and beta_fast > beta_slow > 0")
+        fail("ModelConfig.rope_scaling", y,
+              "YaRN needs factor ≥ 1, original_max_position_embeddings ≥ 1 and beta_fast > beta_slow > 0")
     if cfg.n_shared_experts not in (0, 1):
         fail("ModelConfig.n_shared_experts", cfg.n_shared_experts, "use 0 or 1 (V4.1 has one always-on shared expert)")
 
@@ -219,7 +225,8 @@ def validate(cfg: ModelConfig) -> None:
     n = cfg.num_hidden_layers
     ratios = cfg.compress_ratios
     if len(ratios) != n:
-        fail("ModelConfig.compress_ratios", ratios, f"give one ratio per layer: {len(ratios)} given, num_hidden_layers={n}")
+        fail("ModelConfig.compress_ratios", ratios,
+              f"give one ratio per layer: {len(ratios)} given, num_hidden_layers={n}")
     if any(not is_static_int(r) or r < 0 for r in ratios):
         fail("ModelConfig.compress_ratios", ratios, "ratios are integers in {0, 1, 2, ...} (0 = sliding window only)")
     for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids", "dspark_target_layer_ids"):
@@ -228,7 +235,8 @@ def validate(cfg: ModelConfig) -> None:
     for i in sorted(kv | idx):
         if ratios[i] == 0:
             field = "kv_source_layer_ids" if i in kv else "index_source_layer_ids"
-            fail(f"ModelConfig.{field}", getattr(cfg, field), f"layer {i} has compress ratio 0 (sliding window only) and cannot be a source")
+            fail(f"ModelConfig.{field}", getattr(cfg, field),
+                  f"layer {i} has compress ratio 0 (sliding window only) and cannot be a source")
     for i in range(n):
         changed = ratios[i] != (ratios[i - 1] if i else 0)
         if changed and i not in kv:
@@ -241,18 +249,23 @@ def validate(cfg: ModelConfig) -> None:
     if cfg.candidates_enabled:
         c = cfg.candidate_source_layer_id
         if c not in idx:
-            fail("ModelConfig.candidate_source_layer_id", c, f"must be one of index_source_layer_ids {cfg.index_source_layer_ids}, or -1 to disable")
+            fail("ModelConfig.candidate_source_layer_id", c,
+                  f"must be one of index_source_layer_ids {cfg.index_source_layer_ids}, or -1 to disable")
         if ratios[c] != 1:
-            fail("ModelConfig.candidate_source_layer_id", c, f"must be a ratio-1 layer (layer {c} has ratio {ratios[c]})")
+            fail("ModelConfig.candidate_source_layer_id", c,
+                  f"must be a ratio-1 layer (layer {c} has ratio {ratios[c]})")
         if cfg.candidate_pool_size < cfg.index_topk:
             fail("ModelConfig.candidate_topk_blocks", cfg.candidate_topk_blocks,
-                  f"the pool ({cfg.candidate_topk_blocks}×{cfg.candidate_block_size}) must hold index_topk={cfg.index_topk} entries")
+                  f"the pool ({cfg.candidate_topk_blocks}×{cfg.candidate_block_size}) must hold "
+                  f"index_topk={cfg.index_topk} entries")
 
     # head geometry and quant blocks (SPEC §3, §8)
     if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim < 2:
-        fail("ModelConfig.qk_rope_head_dim", cfg.qk_rope_head_dim, "must be a positive even number (RoPE rotates pairs)")
+        fail("ModelConfig.qk_rope_head_dim", cfg.qk_rope_head_dim,
+              "must be a positive even number (RoPE rotates pairs)")
     if cfg.head_dim % 32:
-        fail("ModelConfig.head_dim", cfg.head_dim, "must be divisible by 32 (FP4 main blocks of 16, FP8 window blocks of 32)")
+        fail("ModelConfig.head_dim", cfg.head_dim,
+              "must be divisible by 32 (FP4 main blocks of 16, FP8 window blocks of 32)")
     if cfg.index_head_dim % 32:
         fail("ModelConfig.index_head_dim", cfg.index_head_dim, "must be divisible by 32 (MXFP4 blocks of 32)")
     for name in ("head_dim", "index_head_dim"):
@@ -261,7 +274,8 @@ def validate(cfg: ModelConfig) -> None:
     if cfg.num_attention_heads % cfg.o_groups:
         fail("ModelConfig.o_groups", cfg.o_groups, f"must divide num_attention_heads={cfg.num_attention_heads}")
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
-        fail("ModelConfig.num_experts_per_tok", cfg.num_experts_per_tok, f"must be ≤ n_routed_experts={cfg.n_routed_experts}")
+        fail("ModelConfig.num_experts_per_tok", cfg.num_experts_per_tok,
+              f"must be ≤ n_routed_experts={cfg.n_routed_experts}")
     if cfg.dspark_num_experts_per_tok > cfg.dspark_n_routed_experts:
         fail("ModelConfig.dspark_num_experts_per_tok", cfg.dspark_num_experts_per_tok,
               f"must be ≤ dspark_n_routed_experts={cfg.dspark_n_routed_experts}")
@@ -271,19 +285,24 @@ def validate(cfg: ModelConfig) -> None:
         if cfg.engram_max_ngram_size < 2:
             fail("ModelConfig.engram_max_ngram_size", cfg.engram_max_ngram_size, "must be ≥ 2 (n-grams of size 2..N)")
         if not 0 <= cfg.engram_pad_id < cfg.engram_compressed_vocab_size:
-            fail("ModelConfig.engram_pad_id", cfg.engram_pad_id, f"must be a token of the compressed vocabulary [0, {cfg.engram_compressed_vocab_size})")
+            fail("ModelConfig.engram_pad_id", cfg.engram_pad_id,
+                  f"must be a token of the compressed vocabulary [0, {cfg.engram_compressed_vocab_size})")
         bound = (2**63 - 1) // cfg.engram_compressed_vocab_size // 2
         if bound < 1:
-            fail("ModelConfig.engram_compressed_vocab_size", cfg.engram_compressed_vocab_size, "too large for 63-bit hash multipliers")
+            fail("ModelConfig.engram_compressed_vocab_size", cfg.engram_compressed_vocab_size,
+                  "too large for 63-bit hash multipliers")
     if cfg.engram_table_format not in ENGRAM_TABLE_FORMATS:
         fail("ModelConfig.engram_table_format", cfg.engram_table_format, f"use one of {ENGRAM_TABLE_FORMATS}")
     if cfg.engram_table_format == "fp8" and cfg.engram_head_dim % 32:
-        fail("ModelConfig.engram_table_format", cfg.engram_table_format, f"FP8 rows carry one scale per 32 values: engram_head_dim="
-              f"{cfg.engram_head_dim} must be a multiple of 32 (or keep the table in 'float')")
+        fail("ModelConfig.engram_table_format", cfg.engram_table_format,
+              f"FP8 rows carry one scale per 32 values: engram_head_dim={cfg.engram_head_dim} must be a multiple of 32 "
+              "(or keep the table in 'float')")
 
     # DSpark / speculative verify (SPEC §12)
     if cfg.num_nextn_predict_layers and cfg.max_draft < cfg.dspark_block_size:
-        fail("ModelConfig.max_draft", cfg.max_draft, f"must be ≥ dspark_block_size = {cfg.dspark_block_size}: γ drafts verify "
-              "as a block of γ + 1 rows [R, d1 … dγ]")
+        fail("ModelConfig.max_draft", cfg.max_draft,
+              f"must be ≥ dspark_block_size = {cfg.dspark_block_size}: γ drafts verify as a block of γ + 1 rows "
+              "[R, d1 … dγ]")
     if not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
-        fail("ModelConfig.dspark_noise_token_id", cfg.dspark_noise_token_id, f"must be a token id in [0, {cfg.vocab_size})")
+        fail("ModelConfig.dspark_noise_token_id", cfg.dspark_noise_token_id,
+              f"must be a token id in [0, {cfg.vocab_size})")

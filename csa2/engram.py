@@ -123,11 +123,12 @@ def _model_primes(cfg: ModelConfig) -> dict[int, tuple[int, ...]]:
             found.append(candidate)
             candidate += 1
         if found[-1] >= 2**31:
-            raise ValueError(f"ModelConfig.engram_vocab_size={cfg.engram_vocab_size}: Engram primes reach {found[-1]} ≥ 2^31; "
-                             "the exact uint32 hash needs primes < 2^31, use a smaller engram_vocab_size")
+            raise ValueError(f"ModelConfig.engram_vocab_size={cfg.engram_vocab_size}: Engram primes reach {found[-1]} "
+                             "≥ 2^31; the exact uint32 hash needs primes < 2^31, use a smaller engram_vocab_size")
         if sum(found) >= 2**31:
             raise ValueError(f"ModelConfig.engram_vocab_size={cfg.engram_vocab_size}: layer {layer}'s table has "
-                             f"{sum(found)} rows ≥ 2^31, beyond int32 row ids; use a smaller engram_vocab_size or fewer heads")
+                             f"{sum(found)} rows ≥ 2^31, beyond int32 row ids; use a smaller engram_vocab_size or "
+                             "fewer heads")
         primes[layer] = tuple(found)
     return primes
 
@@ -288,8 +289,8 @@ class Engram(nnx.Module):
 
 
 def gather_rows(params: dict, row_ids: Array) -> Array:
-    """Table rows `row_ids [...]` as `[..., hd]` (float32 when packed): gathered, then (packed tables) dequantized, so only
-    the gathered rows are ever decoded. A packed table is SPEC §8's `WINDOW` layout (e4m3, UE8M0 per 32)."""
+    """Table rows `row_ids [...]` as `[..., hd]` (float32 when packed): gathered, then (packed tables) dequantized, so
+    only the gathered rows are ever decoded. A packed table is SPEC §8's `WINDOW` layout (e4m3, UE8M0 per 32)."""
     if "table_scale" not in params:
         return jnp.take(params["table"], row_ids, axis=0)
     packed = Stored(params["table"], params["table_scale"], WINDOW)
@@ -331,7 +332,8 @@ def engram(cfg: ModelConfig, params: dict, X: Array, row_ids: Array, mask: Array
         raise ValueError(f"params['wkv']: shape {tuple(params['wkv'].shape)}; expected {(T * hd, (hc + 1) * d)}")
 
     B, S = X.shape[:2]
-    kv = linear(gather_rows(params, row_ids).reshape(B, S, T * hd), params["wkv"], cfg.dtype)  # [B, S, (hc+1)·d] float32
+    # [B, S, (hc+1)·d] float32
+    kv = linear(gather_rows(params, row_ids).reshape(B, S, T * hd), params["wkv"], cfg.dtype)
     key = kv[..., :hc * d].reshape(B, S, hc, d)
     value = kv[..., hc * d:]
     h = X.astype(jnp.float32)

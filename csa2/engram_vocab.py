@@ -112,6 +112,7 @@ def from_tokenizer(tokenizer, cfg: ModelConfig | None = None) -> np.ndarray:
         table[token_id] = keys.setdefault(key, len(keys))
     if cfg is not None:
         if size < cfg.vocab_size:
-            raise ValueError(f"tokenizer: {size} ids for vocab_size={cfg.vocab_size}; the Engram hash needs an id for every token")
+            raise ValueError(f"tokenizer: {size} ids for vocab_size={cfg.vocab_size}; the Engram hash needs an id for "
+                             "every token")
         table = check_table(cfg, table[:cfg.vocab_size], "tokenizer's compressed vocabulary")
     return table

@@ -37,11 +37,11 @@ class Sight:
     """What one layer sees at its read, for the chunk rows it runs (batch B, queries S, heads H, window W).
 
     spec: the layer's role and ratio (static); entries: the entry count N of the call's largest Global KV
-    source (static; a tap that reports per entry pads to it, so every layer's tap has one shape); layer: its index (an int32 scalar, traced inside scanned groups);
-    q [B, S, H, D] the rotated main queries; sink [H] the per-head sink logits; window [B, slots + S, ·] the
-    layer's SWA ring followed by this chunk's window KV, and window_idx [B, S, W] the rows of it each query
-    reads (−1 = none); source: the group's Global KV (None on SWA layers); bus: the selections published so
-    far, this layer's own included (`topk` [B, S, index_topk], `candidates`); q_index [B, S, Hi, Di] and
+    source (static; a tap that reports per entry pads to it, so every layer's tap has one shape); layer: its index (an
+    int32 scalar, traced inside scanned groups); q [B, S, H, D] the rotated main queries; sink [H] the per-head sink
+    logits; window [B, slots + S, ·] the layer's SWA ring followed by this chunk's window KV, and window_idx [B, S, W]
+    the rows of it each query reads (−1 = none); source: the group's Global KV (None on SWA layers); bus: the selections
+    published so far, this layer's own included (`topk` [B, S, index_topk], `candidates`); q_index [B, S, Hi, Di] and
     w_index [B, S, Hi]: this layer's indexer queries (Full and Reindex layers, else None); positions [B, S];
     valid [B, S] the real rows.
     """
@@ -87,9 +87,9 @@ class Sight:
 class Instrument:
     """The default instrument: every layer reads its own top-k and taps nothing.
 
-    Subclass it as a frozen dataclass registered with `jax.tree_util.register_dataclass` (settings static,
-    arrays as leaves) and override what changes. `read` and `tap` run inside the compiled model on every layer; `check` runs on the host before
-    tracing (`csa2.model.forward`) and raises ValueError naming the field, the value and the fix.
+    Subclass it as a frozen dataclass registered with `jax.tree_util.register_dataclass` (settings static, arrays as
+    leaves) and override what changes. `read` and `tap` run inside the compiled model on every layer; `check` runs on
+    the host before tracing (`csa2.model.forward`) and raises ValueError naming the field, the value and the fix.
     """
 
     def width(self, cfg: ModelConfig) -> int:

@@ -187,7 +187,7 @@ def format_groups(groups: tuple[Group, ...]) -> str:
     """One line per group: its layers, iterations and the runs of its body."""
     lines = []
     for g in groups:
-        body = ", ".join(f"{r.spec.role}{'+engram' if r.spec.has_engram else ''}" + (f" ×{r.count}" if r.count > 1 else "")
-                         for r in g.runs)
+        body = ", ".join(f"{r.spec.role}{'+engram' if r.spec.has_engram else ''}"
+                         + (f" ×{r.count}" if r.count > 1 else "") for r in g.runs)
         lines.append(f"  layers {g.first:>2}–{g.end - 1:<2}  {g.count} × [{body}]")
     return "\n".join(lines)

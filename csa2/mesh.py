@@ -10,16 +10,17 @@ axes (the dimension splits over their product).
 Mesh axes (`MESH_AXES`): `data` (batch), `tensor` (heads, vocab, expert width), `expert` (routed
 experts). A mesh is built by `make_mesh({"data": 2, "tensor": 2, "expert": 2})`; axes left out have size 1.
 
-| logical axis                | v41_flash | tiny / mini / demo | why                                            |
-|-----------------------------|-----------|--------------------|------------------------------------------------|
-| `batch`                     | data      | data               | the rows of requests, tokens and per-row values |
-| `vocab`                     | tensor    | —                  | embedding and LM head rows (259 does not split) |
-| `heads`, `index_heads`, `index_n`, `o_groups`, `o_lora_all` | tensor | tensor | attention heads and their output groups |
-| `experts`                   | expert    | expert             | routed experts                                 |
-| `mlp`                       | tensor    | tensor             | expert and shared-expert width                 |
-| `engram_dim`                | expert    | —                  | Engram table columns (rows: see below)         |
-| `engram_rows`               | —         | —                  | a sum of primes (384,016,682 = 2 · 192,008,341) |
-| everything else             | —         | —                  | norms, mHC, latents, stacking axes: replicated |
+| logical axis                      | v41_flash | tiny / mini / demo | why                                             |
+|-----------------------------------|-----------|--------------------|-------------------------------------------------|
+| `batch`                           | data      | data               | the rows of requests, tokens and per-row values |
+| `vocab`                           | tensor    | —                  | embedding and LM head rows (259 does not split) |
+| `heads`, `index_heads`, `index_n` | tensor    | tensor             | attention heads                                 |
+| `o_groups`, `o_lora_all`          | tensor    | tensor             | attention heads' output groups                  |
+| `experts`                         | expert    | expert             | routed experts                                  |
+| `mlp`                             | tensor    | tensor             | expert and shared-expert width                  |
+| `engram_dim`                      | expert    | —                  | Engram table columns (rows: see below)          |
+| `engram_rows`                     | —         | —                  | a sum of primes (384,016,682 = 2 · 192,008,341) |
+| everything else                   | —         | —                  | norms, mHC, latents, stacking axes: replicated  |
 
 The released model's two Engram tables are its largest arrays (2 × 393 GB in float32, 2 × 98 GB as FP8
 rows). Their row counts are sums of primes that no mesh divides, so their 256 columns split instead, over
@@ -55,9 +56,9 @@ Rules = Mapping[str, str | tuple[str, ...] | None]
 _REPLICATED = ("embed", "q_lora", "latent", "o_group_in", "o_lora", "index_dim", "hc_in", "hc_mix", "hc_scales",
                "engram_dim", "engram_scales", "engram_in", "engram_out", "streams", "draft_features", "markov",
                "draft_confidence", "groups", "layers")
-_SMALL = {**{name: None for name in _REPLICATED}, "batch": "data", "vocab": None, "heads": "tensor", "index_heads": "tensor",
-          "index_n": "tensor", "o_groups": "tensor", "o_lora_all": "tensor", "experts": "expert", "mlp": "tensor",
-          "engram_rows": None}
+_SMALL = {**{name: None for name in _REPLICATED}, "batch": "data", "vocab": None, "heads": "tensor",
+          "index_heads": "tensor", "index_n": "tensor", "o_groups": "tensor", "o_lora_all": "tensor",
+          "experts": "expert", "mlp": "tensor", "engram_rows": None}
 RULES: dict[str, dict[str, str | None]] = {
     "v41_flash": {**_SMALL, "vocab": "tensor", "engram_dim": "expert"},
     "tiny": _SMALL, "mini": _SMALL, "demo": _SMALL,

@@ -24,14 +24,14 @@ from flax import nnx
 
 from csa2 import boundary, dspark, engram_vocab
 from csa2.boundary import entry_point
+from csa2.chunk import take_rows
 from csa2.config import ModelConfig
+from csa2.hooks import OWN_TOPK, Instrument
 from csa2.layout import layer_groups
 from csa2.mesh import PARAMS, REPLICATED, ROWS
 from csa2.moe import bias_update
 from csa2.params import arrays, constant, initialize, normal, ones
 from csa2.replay import EXACT, Extend, ReplayPolicy
-from csa2.chunk import take_rows
-from csa2.hooks import OWN_TOPK, Instrument
 from csa2.stack import StackOut, logits as head_logits, split_layers, stack, stacked_layers
 from csa2.state import State, init_state, token_granule
 
@@ -259,7 +259,8 @@ def _check_forward(cfg, params, tokens, qat, replay, features, instrument) -> No
     instrument.check(cfg, jnp.shape(tokens), replay)
 
 
-@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "features"), place=dict(params=PARAMS, tokens=ROWS),
+@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "features"),
+             place=dict(params=PARAMS, tokens=ROWS),
              out=(ROWS, {"load": REPLICATED, "rows": ROWS, "features": ROWS, "tap": REPLICATED}))
 def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = False, replay: ReplayPolicy = EXACT,
             features: bool = False, instrument: Instrument = OWN_TOPK) -> tuple[Array, dict]:

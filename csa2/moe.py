@@ -147,8 +147,10 @@ def _expert_axes(rules: Rules, mesh: jax.sharding.AbstractMesh, x: Array, cfg: M
     if cfg.n_routed_experts % mesh.shape[experts]:
         raise ValueError(f"n_routed_experts={cfg.n_routed_experts} does not split over mesh axis {experts!r} of "
                          f"size {mesh.shape[experts]}; use an expert axis that divides {cfg.n_routed_experts}")
-    splits = lambda axis, n: axis if axis is not None and mesh.shape.get(axis, 1) > 1 and n % mesh.shape[axis] == 0 \
-        else None
+
+    def splits(axis, n):
+        return axis if axis is not None and mesh.shape.get(axis, 1) > 1 and n % mesh.shape[axis] == 0 else None
+
     return experts, splits(width, cfg.moe_intermediate_size), splits(batch, x.shape[0])
 
 

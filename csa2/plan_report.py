@@ -24,7 +24,8 @@ def inspect_report(name: str, context: int, batch: int = 1, cache_format: str = 
     lines = [
         f"preset {name}: {cfg.num_hidden_layers} layers ({counts}), hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads} heads × {cfg.head_dim}, vocab {cfg.vocab_size}",
-        f"encoder layers 0–{cfg.first_decoder_layer - 1}, decoder layers {cfg.first_decoder_layer}–{cfg.num_hidden_layers - 1}; "
+        f"encoder layers 0–{cfg.first_decoder_layer - 1}, "
+        f"decoder layers {cfg.first_decoder_layer}–{cfg.num_hidden_layers - 1}; "
         f"KV sources {list(cfg.kv_source_layer_ids)}, index sources {list(cfg.index_source_layer_ids)}, "
         f"candidate source {cfg.candidate_source_layer_id}, Engram {list(cfg.engram_layer_ids)}",
         "",
@@ -33,14 +34,16 @@ def inspect_report(name: str, context: int, batch: int = 1, cache_format: str = 
         f"layer groups ({len(layer_groups(cfg))} scanned bodies; each body's runs of identical layers scanned in turn)",
         format_groups(layer_groups(cfg)),
         "",
-        f"memory ({cache_format} cache, batch {batch}, context {context:,} tokens; shapes from jax.eval_shape(init_state))",
+        f"memory ({cache_format} cache, batch {batch}, context {context:,} tokens; "
+        "shapes from jax.eval_shape(init_state))",
         f"  Global KV per token            {per_token:>14,.1f} B",
         f"  Global KV at context           {_mb(parts['global_kv']):>16}",
         f"  SWA rings, W slots (SPEC §8)   {_mb(batch * swa_bytes_per_sequence(cfg, cache_format)):>16}",
         f"  SWA rings, W + max_draft slots {_mb(parts['swa']):>16}",
         f"  compressor tails               {_mb(parts['tails']):>16}",
         f"  DSpark context windows         {_mb(parts['draft']):>16}",
-        f"  history, accept, length, floor {_mb(parts['tokens'] + parts['accept'] + parts['length'] + parts['floor']):>16}",
+        f"  history, accept, length, floor "
+        f"{_mb(parts['tokens'] + parts['accept'] + parts['length'] + parts['floor']):>16}",
         f"  total state                    {_mb(parts['total']):>16}",
     ]
     return "\n".join(lines)

@@ -376,7 +376,8 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
     encoder_floor = jnp.zeros_like(state.length) if extend is None else extend.encoder_floor()
     written_from = None if extend is None else extend.hit  # replayed prefix rows never rewrite its Global KV
     chunk = Chunk(start=state.length, n_valid=n_valid, floor=encoder_floor)
-    history = engram_vocab.compressed(params, _history(cfg, state, tokens, chunk.start)) if cfg.engram_layer_ids else None
+    history = (engram_vocab.compressed(params, _history(cfg, state, tokens, chunk.start)) if cfg.engram_layer_ids
+               else None)
     with jax.named_scope("embed"):
         X = mhc.expand(params["embed"][tokens], cfg.hc_mult)  # [B, S, n, d]
     flow = Flow(X=X, pre=jnp.broadcast_to(mhc.first_pre(cfg.hc_mult), (b, s, cfg.hc_mult)),

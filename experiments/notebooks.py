@@ -37,7 +37,8 @@ def execute(path: pathlib.Path, *, fast: bool, timeout: int = 3600) -> nbformat.
     previous = os.environ.get(FAST_ENV)
     os.environ[FAST_ENV] = "1" if fast else "0"  # the kernel inherits the environment
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(ROOT)}}).execute()
     finally:
         if previous is None:
             os.environ.pop(FAST_ENV)

@@ -62,7 +62,8 @@ def _timed_prefills(cfg, params, prompts, policies: dict, reps: int):
     return results, {name: statistics.median(t) for name, t in times.items()}
 
 
-def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, steps: int = 8, reps: int = 3) -> list[dict]:
+def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, steps: int = 8,
+          reps: int = 3) -> list[dict]:
     """`replay_error` for every (R, split layer) pair, one exact run shared: rows of the error-vs-R table
     (`split=None`: the first decoder layer)."""
     policies = {"exact": EXACT}
@@ -76,7 +77,8 @@ def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, ste
         if key == "exact":
             continue
         lb, sb, wb = results[key]
-        rows.append({"window": policy.window, "split": policy.split(cfg), **_compare(cfg, params, (le, se), (lb, sb), steps),
+        rows.append({"window": policy.window, "split": policy.split(cfg),
+                     **_compare(cfg, params, (le, se), (lb, sb), steps),
                      "work_ratio": int(wb["work"]) / int(we["work"]), "wall_ratio": wall[key] / wall["exact"]})
     return rows
 

@@ -37,8 +37,8 @@ import numpy as np
 from csa2 import compile_cache, model
 from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
-from csa2.tokenizer import encode
 from csa2.state import init_state, token_granule
+from csa2.tokenizer import encode
 from infer import generate, stats
 from infer.bench_model import machine_info
 from infer.schedule import SpsTable, config_fingerprint
@@ -185,7 +185,8 @@ def acceptance(cfg: ModelConfig, params, n_prompts: int, prompt_len: int, new_to
     # Pooled over steps, as the figure is defined (a prompt's weight is its number of verify steps).
     (tau,) = stats.ratio_interval(np.concatenate(committed)[:, None], np.concatenate(steps)[:, None])
     per_position = stats.ratio_interval(np.concatenate(accepts), np.concatenate(tries))
-    return {"measure": "acceptance", "method": "scheduled" if sps is not None else f"fixed_gamma{cfg.dspark_block_size}",
+    return {"measure": "acceptance",
+            "method": "scheduled" if sps is not None else f"fixed_gamma{cfg.dspark_block_size}",
             "prompts": n_prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
             "acceptance_length": tau.as_dict(), "position_acceptance": [x.as_dict() for x in per_position]}
 

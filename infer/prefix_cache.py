@@ -141,7 +141,8 @@ class PrefixCache:
             raise ValueError(f"insert: state.length[{row}]={length} but the prompt has {len(prompt)} tokens; insert "
                              "the row right after its prefill, with the tokens it holds")
         ratios = [self.cfg.compress_ratios[s[0]] for s in kv_stacks(self.cfg)]
-        entries = tuple(jax.tree.map(lambda a, n=length // r: a[row, :, :n], g) for g, r in zip(state.global_kv, ratios))
+        entries = tuple(jax.tree.map(lambda a, n=length // r: a[row, :, :n], g)
+                        for g, r in zip(state.global_kv, ratios))
         owner = _key(prompt)
         self._records[owner] = Record(tokens=prompt, global_kv=entries, config=self.config,
                                       cache_format=_format(state))
@@ -177,7 +178,8 @@ class PrefixCache:
     def nbytes(self) -> dict[str, int]:
         """Bytes held: Global KV records and snapshots."""
         return {"global_kv": sum(tree_bytes(r.global_kv) for r in self._records.values()),
-                "snapshots": sum(tree_bytes((s.swa, s.tails, s.tokens, s.draft, s.floor)) for s in self._snapshots.values())}
+                "snapshots": sum(tree_bytes((s.swa, s.tails, s.tokens, s.draft, s.floor))
+                                 for s in self._snapshots.values())}
 
     # ----------------------------------------------------------------------------------- restore
     def restore(self, hit: Hit, state: State, row: int, prompt, replay: ReplayPolicy) -> tuple[State, int]:
@@ -197,8 +199,8 @@ class PrefixCache:
                              f"({hit.record.cache_format} cache), this store and state are for config {self.config} "
                              f"({_format(state)} cache); look prefixes up in the store of the model that made them")
         if len(prompt) > capacity(self.cfg, state):
-            raise ValueError(f"restore: the prompt has {len(prompt)} tokens, the state holds {capacity(self.cfg, state)}; "
-                             "allocate a larger state")
+            raise ValueError(f"restore: the prompt has {len(prompt)} tokens, the state holds "
+                             f"{capacity(self.cfg, state)}; allocate a larger state")
         empty = _row(init_state(self.cfg, 1, capacity(self.cfg, state), _format(state)), 0)
         if hit.length == 0:
             return _put_row(state, row, empty), 0
@@ -258,7 +260,8 @@ def prefill(cfg: ModelConfig, params, store: PrefixCache, prompts: Sequence, *, 
         starts.append(start)
     start = np.asarray(starts, np.int32)
     end = np.asarray([len(p) for p in prompts], np.int32)
-    extend = Extend(start=jnp.asarray(start), end=jnp.asarray(end), hit=jnp.asarray([h.length for h in hits], jnp.int32))
+    extend = Extend(start=jnp.asarray(start), end=jnp.asarray(end),
+                    hit=jnp.asarray([h.length for h in hits], jnp.int32))
     logits, work, done = None, 0, start.copy()
     while (done < end).any():
         n_valid = np.minimum(end - done, chunk)

@@ -1,15 +1,14 @@
 """Argument checks shared by the reference and the kernels, and backend plumbing for `pallas_call`.
 
-Kernels take plain arrays and `Stored` buffers, never model objects (DESIGN §4). Public boundaries raise ValueError naming the field,
-the value and the fix (DESIGN §7).
+Kernels take plain arrays and `Stored` buffers, never model objects (DESIGN §4). Public boundaries raise ValueError
+naming the field, the value and the fix (DESIGN §7).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plt
+from jax.experimental.pallas import tpu as pltpu, triton as plt
 
 from pallas_kernels.formats import INDEX, MAIN, WINDOW, QuantFormat
 from pallas_kernels.stored import Stored
@@ -128,7 +127,8 @@ def check_sparse_attention(q, sink, main: Stored, main_idx, window: Stored, wind
     """Shapes and dtypes of `sparse_attention`'s arguments (see ops.sparse_attention)."""
     _need(q.ndim == 4, f"q.shape={q.shape}: expected [B, S, H, D]")
     b, s, h, d = q.shape
-    _need(d % WINDOW.block == 0, f"q.shape[-1]={d}: the latent D must be a multiple of {WINDOW.block} (window scale block)")
+    _need(d % WINDOW.block == 0,
+          f"q.shape[-1]={d}: the latent D must be a multiple of {WINDOW.block} (window scale block)")
     _need(sink.shape == (h,), f"sink.shape={sink.shape}: expected [H={h}], one sink logit per head")
     _check_store("main", main, MAIN, b, d)
     _check_store("window", window, WINDOW, b, d)

@@ -159,7 +159,8 @@ def kernel_lines(context: int, g: dict, reps: int) -> list[dict]:
     idx_bytes = context * (INDEX_DIM // 2 + INDEX_DIM // 32 + 4) + INDEX_HEADS * (INDEX_DIM + 1) * 4
     for name, fn, args, nbytes in (("sparse_attention", ops.sparse_attention, attn_args, attn_bytes),
                                    ("indexer_scores", ops.indexer_scores, idx_args, idx_bytes)):
-        times = {impl: timed(lambda *a, impl=impl: fn(*a, impl=impl), *args, reps=reps)[1] for impl in ("xla", "pallas")}
+        times = {impl: timed(lambda *a, impl=impl: fn(*a, impl=impl), *args, reps=reps)[1]
+                 for impl in ("xla", "pallas")}
         gbps = {impl: nbytes / (ms * 1e-3) / 1e9 for impl, ms in times.items()}
         lines.append({"bench": "kernel", **machine(), "kernel": name, "context": context, "bytes": nbytes,
                       "xla_ms": round(times["xla"], 4), "pallas_ms": round(times["pallas"], 4),

@@ -103,7 +103,8 @@ def _ue8m0_scale(t: Array) -> Array:
 
 
 def scaled_blocks(x: Array, fmt: QuantFormat) -> tuple[Array, Array]:
-    """float32 `x / scale` as blocks `[..., D // block, block]` (before the clamp) and the scales `[..., D // block]`."""
+    """float32 `x / scale` as blocks `[..., D // block, block]` (before the clamp) and the scales
+    `[..., D // block]`."""
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("x must have a feature axis, got a scalar; pass x with shape [..., D].")

@@ -21,10 +21,7 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels import grouped
-from pallas_kernels import indexer as _indexer
-from pallas_kernels import reference
-from pallas_kernels import sparse_attention as _sparse
+from pallas_kernels import grouped, indexer as _indexer, reference, sparse_attention as _sparse
 from pallas_kernels.stored import Stored
 
 Array = jax.Array

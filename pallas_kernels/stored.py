@@ -5,8 +5,8 @@ A `Stored` is the payload, its per-block scales and the static format together: 
 `scale=None` (QAT and the exact reference). Packed buffers hold raw bytes: payload and scales are
 uint8 bit patterns, decoded by `formats.decode_bits` (which reads bits, in the reference and in the
 kernels alike). Moving bytes is what storage does; XLA:CPU would otherwise rewrite every gather,
-scatter and concatenation of a float8 array into converts of the whole operand through f16. The feature axis is last and the rows axis before
-it; leading axes are free (`[B, rows, ·]` for one Global KV source, `[B, L, slots, ·]` for every
+scatter and concatenation of a float8 array into converts of the whole operand through f16. The feature axis is last and
+the rows axis before it; leading axes are free (`[B, rows, ·]` for one Global KV source, `[B, L, slots, ·]` for every
 layer's SWA ring). Tree maps reach payload and scale together, so slicing, stacking, `fork` and
 donation treat a stored buffer as one value, and no `(payload, scale | None)` pair travels apart.
 

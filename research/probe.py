@@ -41,8 +41,8 @@ class Probe:
     """One layer's record `[B, S, ·]` (stacked `[L, B, S, ·]` by `forward`); see the module docstring.
 
     mass [B, S, N]: N = the largest Global KV source of the model (a smaller source's entries are
-    padded with 0). topk [B, S, index_topk] (a policy's width under a policy), scan [B, S,
-    index_topk]; pool [B, S, candidate pool size] (0 wide without candidates). Entry ids are the source's entries 0..N−1; −1 = none.
+    padded with 0). topk [B, S, index_topk] (a policy's width under a policy), scan [B, S, index_topk];
+    pool [B, S, candidate pool size] (0 wide without candidates). Entry ids are the source's entries 0..N−1; −1 = none.
     """
 
     mass: Array

@@ -9,14 +9,15 @@ and read the model's own top-k, identical for every policy, so the policies diff
 after the prompt read (the one-shot policies compress the cache at `start`). Every policy reads at most
 `index_topk` entries per step (PyramidKV: on average over the layers), so `index_topk` is the read budget.
 
-| policy         | reads per step                                   | keeps                | loses for ever          |
-|----------------|--------------------------------------------------|----------------------|-------------------------|
-| `StreamingLLM` | the first `sinks` entries + the newest           | what it reads        | every other entry       |
-| `H2O`          | heavy hitters (cumulative attention) + newest    | what it reads        | each entry it evicts    |
-| `SnapKV`       | prompt entries chosen once at `start` + newest   | what it reads        | unchosen prompt entries, later ones past the newest |
-| `PyramidKV`    | SnapKV with per-layer budgets, deep layers fewer | what it reads        | as SnapKV               |
-| `Quest`        | the pages of largest upper bound (+ the newest)  | every entry          | nothing                 |
-| `Oracle`       | the entries of largest true attention            | every entry          | nothing                 |
+| policy         | reads per step                                   | keeps         | loses for ever                 |
+|----------------|--------------------------------------------------|---------------|--------------------------------|
+| `StreamingLLM` | the first `sinks` entries + the newest           | what it reads | every other entry              |
+| `H2O`          | heavy hitters (cumulative attention) + newest    | what it reads | each entry it evicts           |
+| `SnapKV`       | prompt entries chosen once at `start` + newest   | what it reads | unchosen prompt entries, later |
+|                |                                                  |               | ones past the newest           |
+| `PyramidKV`    | SnapKV with per-layer budgets, deep layers fewer | what it reads | as SnapKV                      |
+| `Quest`        | the pages of largest upper bound (+ the newest)  | every entry   | nothing                        |
+| `Oracle`       | the entries of largest true attention            | every entry   | nothing                        |
 
 Each policy is a pure function of a `View` (one layer's queries, every Global entry, the window's share of
 the softmax) to a read mask `[B, S, N]`; `read` turns it into the entry ids the layer reads. Attention scores

@@ -20,7 +20,6 @@ import re
 import subprocess
 import sys
 
-
 TESTS = pathlib.Path(__file__).parent
 ORDER = ("SSE4_2", "AVX", "AVX2", "AVX512")  # the --xla_cpu_max_isa values this test moves between
 
@@ -54,8 +53,9 @@ def test_cross_shape_tests_pass_under_another_isa():
     flags = re.sub(r"--xla_cpu_max_isa=\w+", "", os.environ.get("XLA_FLAGS", ""))
     isa = other_isa(_host_isa(), os.environ.get("XLA_FLAGS", ""))
     env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_cpu_max_isa={isa}".strip()}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "cross_shape", "-p", "no:cacheprovider", "-o", "addopts=-q",
-                          *files], env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=1500)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "cross_shape", "-p", "no:cacheprovider",
+                          "-o", "addopts=-q", *files], env=env, cwd=TESTS.parent, capture_output=True, text=True,
+                         timeout=1500)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, f"under --xla_cpu_max_isa={isa}:\n{tail}"
     assert re.search(r"\d+ passed", tail) and " failed" not in tail, tail

@@ -129,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         last = [json.loads(line) for line in f][-1]
     print(f"# DSpark: drafter adapted on the frozen backbone for {args.dspark_steps} steps in "
           f"{time.perf_counter() - td:.0f}s (loss {last['loss']:.3f}, teacher-forced accepted length "
-          f"{last['accept_len']:.2f} of {cfg.dspark_block_size}, ECE {last['ece']:.3f}; plot {args.out}/dspark/dspark.png)")
+          f"{last['accept_len']:.2f} of {cfg.dspark_block_size}, ECE {last['ece']:.3f}; "
+          f"plot {args.out}/dspark/dspark.png)")
     spec = speculative_vs_plain(cfg, params, prompts, args.max_new_tokens, compiled)
-    print(f"# greedy, {len(prompts)} prompts in one batch: {spec['tokens']} tokens in {spec['steps']} speculative steps, "
-          f"identical to plain generate; acceptance per draft position "
-          + ", ".join(f"{a:.2f}" for a in spec["position_acceptance"]) + f"; whole demo {time.perf_counter() - t0:.0f}s")
+    print(f"# greedy, {len(prompts)} prompts in one batch: {spec['tokens']} tokens in {spec['steps']} speculative "
+          f"steps, identical to plain generate; acceptance per draft position "
+          + ", ".join(f"{a:.2f}" for a in spec["position_acceptance"])
+          + f"; whole demo {time.perf_counter() - t0:.0f}s")
     print(f"val_bpb: {val_bpb:.4f}")
     print(f"tokens_per_s: {tokens_per_s:.2f}")
     print(f"kv_bytes_per_token: {kv:.1f}")

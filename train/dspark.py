@@ -13,8 +13,8 @@ also draws invalid ones, whose slots the mask removes.
 - **Data** (`data`). `corpus`: random windows of the corpus. `greedy` / `sampled`: self-distillation, rows
   the frozen target wrote itself from corpus prompts (`train.distill`: `distill_rows` rows of a
   `distill_prompt`-token prompt and its continuation, greedy or at `distill_temperature`), generated once
-  and kept in the run directory as `pool.npy` (with its recipe in `pool.json`); batches are drawn from that pool. The drafter is scored on
-  the target's own continuations at inference, so this is the data it is tested on.
+  and kept in the run directory as `pool.npy` (with its recipe in `pool.json`); batches are drawn from that pool. The
+  drafter is scored on the target's own continuations at inference, so this is the data it is tested on.
 - **Stages.** The drafter's stage count is its own (`csa2.checkpoints.native.DRAFTER_FIELDS`): `--stages 3`
   adapts the release's three stages on a backbone trained with one; the drafter checkpoint stores that
   config and `restore_with_drafter` puts the backbone under it.
@@ -271,7 +271,8 @@ def losses(cfg: ModelConfig, dc: DSparkTrainConfig, drafter: nnx.State, backbone
 def with_stages(cfg: ModelConfig, params: nnx.State, stages: int, seed: int) -> tuple[ModelConfig, nnx.State]:
     """(config, params) of the backbone `params` of `cfg` with a fresh drafter of `stages` draft stages."""
     if not is_static_int(stages) or stages < 1:
-        raise ValueError(f"stages={stages!r}: a drafter has at least one draft stage (--stages 1 … ; the release has 3)")
+        raise ValueError(f"stages={stages!r}: a drafter has at least one draft stage (--stages 1 … ; the release "
+                         "has 3)")
     cfg = cfg.replace(num_nextn_predict_layers=stages)
     return cfg, checkpoint.with_drafter(params, fresh_drafter(cfg, seed), cfg)
 

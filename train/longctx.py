@@ -237,7 +237,8 @@ def retrieval_scores(cfg: ModelConfig, params, recipe: LongCtxRecipe, *,
     return exact, digits
 
 
-def passkey_accuracy(cfg: ModelConfig, params, recipe: LongCtxRecipe, *, qat: bool = True) -> dict[str, dict[str, float]]:
+def passkey_accuracy(cfg: ModelConfig, params, recipe: LongCtxRecipe, *,
+                     qat: bool = True) -> dict[str, dict[str, float]]:
     """{length: {depth: share of pass keys retrieved}}: the `exact` table of `retrieval_scores`."""
     return retrieval_scores(cfg, params, recipe, qat=qat)[0]
 
@@ -247,7 +248,8 @@ def format_table(table: dict[str, dict[str, float]]) -> str:
     depths = next(iter(table.values())).keys()
     lines = [f"{'length':>8} " + " ".join(f"{d:>5}" for d in depths) + "   mean"]
     for length, row in table.items():
-        lines.append(f"{length:>8} " + " ".join(f"{v:>5.2f}" for v in row.values()) + f"  {np.mean(list(row.values())):.2f}")
+        lines.append(f"{length:>8} " + " ".join(f"{v:>5.2f}" for v in row.values())
+                     + f"  {np.mean(list(row.values())):.2f}")
     return "\n".join(lines)
 
 

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2.config import ModelConfig
 from csa2.checkpoints import native as checkpoint
+from csa2.config import ModelConfig
 from train.data import batches, eval_batches
 from train.step import TrainConfig, TrainState, eval_loss, init_train_state, train_step
 

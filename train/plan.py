@@ -3,8 +3,8 @@ per-device memory of the decode step and the train step on a device mesh, ahead 
 
 Nothing is materialized: parameters, optimizer state, request state and tokens are `jax.ShapeDtypeStruct`s
 carrying their shardings (`csa2.mesh`, `csa2.sharding`), the two steps are lowered and compiled for the mesh
-(`model.decode_step.on(mesh, rules)`, `train_step.on(mesh, rules)`), and the figures come from the shardings (bytes each device
-holds) and from the compiled programs' memory analysis (arguments, outputs, donated aliases, temporaries),
+(`model.decode_step.on(mesh, rules)`, `train_step.on(mesh, rules)`), and the figures come from the shardings (bytes each
+device holds) and from the compiled programs' memory analysis (arguments, outputs, donated aliases, temporaries),
 next to the collectives the partitioner put in each program. A mesh needs as many devices as it names; when
 this process has fewer, the command runs itself again on that many simulated CPU devices, so the
 temporaries are XLA:CPU's buffer assignment (an accelerator's fusion differs; the held bytes do not). In
@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import mesh as mesh_lib, model, sharding
-from csa2 import state as state_lib
+from csa2 import mesh as mesh_lib, model, sharding, state as state_lib
 from csa2.config import ENGRAM_TABLE_FORMATS, ModelConfig
 from csa2.presets import PRESETS, preset
 from csa2.state import CACHE_FORMATS

@@ -1,8 +1,8 @@
 """The pure training step: LM loss + indexer KL (SPEC §13), AdamW, aux-loss-free MoE balancing (SPEC §9).
 
 `train_step(cfg, tc, state, inputs, targets)` is one jitted update. Training runs the SPEC §8 numerics by
-default (`TrainConfig.qat_from = 0`: fake-quant from the first step); float is the ablation. The MoE correction biases are
-`RouterBias` variables, which the optimizer leaves alone by type; after each step they move by
+default (`TrainConfig.qat_from = 0`: fake-quant from the first step); float is the ablation. The MoE correction biases
+are `RouterBias` variables, which the optimizer leaves alone by type; after each step they move by
 `csa2.model.update_router_bias` from the step's measured expert loads.
 
 `train_step.on(mesh, rules)` is the step compiled for a device mesh (`csa2.boundary.EntryPoint.on`): explicit
@@ -191,7 +191,8 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
     """
     trained, fixed = nnx.split_state(state.params, nnx.Param, ...)  # only Params are differentiated
     (_, aux), grads = jax.value_and_grad(
-        lambda p: losses(cfg, tc, nnx.merge_state(p, fixed), inputs, targets, weights, dense, qat), has_aux=True)(trained)
+        lambda p: losses(cfg, tc, nnx.merge_state(p, fixed), inputs, targets, weights, dense, qat),
+        has_aux=True)(trained)
     grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, fixed))  # zeros where the optimizer leaves alone
     updates, opt_state = optimizer(tc).update(grads, state.opt_state, state.params)
     params = model.update_router_bias(cfg, optax.apply_updates(state.params, updates), aux["load"], tc.bias_rate)
@@ -207,7 +208,8 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "qat"))
-def eval_loss(cfg: ModelConfig, params: nnx.State, inputs: Array, targets: Array, mask: Array, qat: bool) -> tuple[Array, Array]:
+def eval_loss(cfg: ModelConfig, params: nnx.State, inputs: Array, targets: Array, mask: Array,
+              qat: bool) -> tuple[Array, Array]:
     """(summed nats, counted tokens) of a masked eval batch, every position through every layer."""
     logits, _ = model.forward(cfg, params, inputs, qat=qat)
     return jnp.sum(_nll(logits, targets) * mask), jnp.sum(mask)

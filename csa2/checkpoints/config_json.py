@@ -84,14 +84,16 @@ def from_hf_config(d: Mapping[str, Any], **framework: Any) -> ModelConfig:
             if value is not None:
                 kind = value.get("rope_type", value.get("type", "yarn"))
                 if kind != "yarn":
-                    raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'yarn' is implemented (SPEC §7)")
+                    raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'yarn' is implemented "
+                                     "(SPEC §7)")
                 known = {f.name for f in dataclasses.fields(YarnScaling)}
                 extra = sorted(set(value) - known - {"rope_type", "type"})
                 if extra:
                     raise ValueError(f"config.json rope_scaling has unknown keys {extra}; known: {sorted(known)}")
                 missing = sorted(known - set(value))
                 if missing:
-                    raise ValueError(f"config.json rope_scaling lacks {missing}; the YaRN of SPEC §7 needs all of {sorted(known)}")
+                    raise ValueError(f"config.json rope_scaling lacks {missing}; the YaRN of SPEC §7 needs all of "
+                                     f"{sorted(known)}")
                 kwargs["rope_scaling"] = YarnScaling(**{k: v for k, v in value.items() if k in known})
         elif key in released:
             kwargs[key] = value

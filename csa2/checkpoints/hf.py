@@ -46,8 +46,8 @@ from csa2.checkpoints.released import Tensor
 from csa2.checks import tree_bytes
 from csa2.config import RUNTIME, VARIANT, ModelConfig, fields_of, model_differences
 from csa2.engram import engram_table_rows
-from csa2.model import abstract_params
 from csa2.mesh import HostShards, Rules
+from csa2.model import abstract_params
 from csa2.sharding import param_shardings
 
 CONFIG = "config.json"
@@ -71,7 +71,8 @@ class Summary:
 
     def format(self, verb: str) -> str:
         mb = 1 << 20
-        line = f"{verb} {self.tensors} tensors, {self.bytes / mb:.1f} MiB in {self.seconds:.1f} s; parameters {self.param_bytes / mb:.1f} MiB"
+        line = (f"{verb} {self.tensors} tensors, {self.bytes / mb:.1f} MiB in {self.seconds:.1f} s; "
+                f"parameters {self.param_bytes / mb:.1f} MiB")
         if self.largest_tensor_bytes:
             line += (f"; peak host memory above them {self.transient_bytes / mb:.2f} MiB "
                      f"(largest tensor, float32: {self.largest_tensor_bytes / mb:.2f} MiB)")
@@ -95,14 +96,16 @@ def read_config(path: str | os.PathLike, cfg: ModelConfig | None = None) -> Mode
     framework = {} if cfg is None else {k: getattr(cfg, k) for k in fields_of(VARIANT, RUNTIME)}
     stored = from_hf_config(text, **framework)
     if cfg is not None and model_differences(cfg, stored):
-        diffs = ", ".join(f"{k}: config.json {getattr(stored, k)!r} vs cfg {getattr(cfg, k)!r}" for k in model_differences(cfg, stored))
+        diffs = ", ".join(f"{k}: config.json {getattr(stored, k)!r} vs cfg {getattr(cfg, k)!r}"
+                          for k in model_differences(cfg, stored))
         raise ValueError(f"{file} does not describe cfg ({diffs}); load with cfg=None to take the checkpoint's config")
     rows = text.get("engram_num_embeddings")
     if rows is not None:
         want = [engram_table_rows(stored, layer) for layer in stored.engram_layer_ids]
         if list(rows) != want:
-            raise ValueError(f"{file}: engram_num_embeddings={list(rows)}, but the prime layout of SPEC §10b gives {want} "
-                             "for this config (engram_vocab_size, engram_n_heads, engram_max_ngram_size, engram_layer_ids)")
+            raise ValueError(f"{file}: engram_num_embeddings={list(rows)}, but the prime layout of SPEC §10b gives "
+                             f"{want} for this config (engram_vocab_size, engram_n_heads, engram_max_ngram_size, "
+                             "engram_layer_ids)")
     return cfg if cfg is not None else stored
 
 
@@ -110,7 +113,8 @@ def hf_config(cfg: ModelConfig, quantized: bool) -> dict:
     """The `config.json` that `save_hf` writes (a composite with `text_config`, like the release)."""
     text = to_hf_config(cfg)
     text["engram_num_embeddings"] = [engram_table_rows(cfg, layer) for layer in cfg.engram_layer_ids]
-    out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "text_config": text}
+    out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+                           "text_config": text}
     if quantized:
         out["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                       "weight_block_size": [weights.TILE, weights.TILE], "scale_fmt": "ue8m0",
@@ -132,9 +136,9 @@ def _check_names(store: shards_lib.Shards, table: tuple[Tensor, ...]) -> tuple[s
             continue
         (skipped if released.skip_reason(name) else unknown).append(name)
     if unknown:
-        raise ValueError(f"the checkpoint has {len(unknown)} tensor(s) this config has no parameter for, e.g. {unknown[:4]}; "
-                         "a config/weights mismatch (check num_hidden_layers, the layer roles, n_routed_experts, "
-                         "num_nextn_predict_layers)")
+        raise ValueError(f"the checkpoint has {len(unknown)} tensor(s) this config has no parameter for, e.g. "
+                         f"{unknown[:4]}; a config/weights mismatch (check num_hidden_layers, the layer roles, "
+                         "n_routed_experts, num_nextn_predict_layers)")
     missing = [t.name for t in table if t.name not in store]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:4]}")
@@ -155,7 +159,8 @@ def _decoded(store: shards_lib.Shards, t: Tensor) -> np.ndarray:
                              "F8_E4M3 (FP8) or I8 (packed FP4)")
         return weights.decode(fmt, payload, scale, t.name)
     if stored not in _FLOATS:
-        raise ValueError(f"tensor {t.name!r}: dtype {stored} without a {scale_name!r}; a quantized weight needs its scale")
+        raise ValueError(f"tensor {t.name!r}: dtype {stored} without a {scale_name!r}; a quantized weight needs its "
+                         "scale")
     return np.asarray(store.read(t.name), np.float32)
 
 
@@ -190,8 +195,8 @@ def _vocab_table(path: Path, cfg: ModelConfig, table: np.ndarray | None) -> np.n
     file = path / TOKENIZER
     if not file.exists():
         raise ValueError(f"{path}: the Engram hash needs the compressed vocabulary (engram_compressed_vocab_size="
-                         f"{cfg.engram_compressed_vocab_size} < vocab_size={cfg.vocab_size}), which the release derives from "
-                         f"its tokenizer; put the checkpoint's {TOKENIZER} beside config.json or pass "
+                         f"{cfg.engram_compressed_vocab_size} < vocab_size={cfg.vocab_size}), which the release "
+                         f"derives from its tokenizer; put the checkpoint's {TOKENIZER} beside config.json or pass "
                          "engram_table=csa2.engram_vocab.from_tokenizer(...)")
     return engram_vocab.from_tokenizer(file, cfg)
 
@@ -211,7 +216,8 @@ def _table_bits(store: shards_lib.Shards, t: Tensor) -> tuple[np.ndarray, np.nda
     """(e4m3 payload bits, UE8M0 scale bits) of an Engram table: the stored bytes as they are when the file
     holds FP8 rows, else its decoded values encoded so."""
     scale_name = t.scale_name
-    if store.dtype(t.name) == "F8_E4M3" and scale_name in store and store.shape(scale_name) == weights.FP8_ROWS.scale_shape(t.shape):
+    if (store.dtype(t.name) == "F8_E4M3" and scale_name in store
+            and store.shape(scale_name) == weights.FP8_ROWS.scale_shape(t.shape)):
         return np.asarray(store.read(t.name)).view(np.uint8), np.asarray(store.read(scale_name)).view(np.uint8)
     payload, scale = weights.encode(weights.FP8_ROWS, _decoded(store, t))
     return payload.view(np.uint8), scale.view(np.uint8)
@@ -276,7 +282,8 @@ def read_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: A
             vocab[()] = placed
         tree[engram_vocab.PARAM] = vocab
     param_bytes = tree_bytes(tree)
-    return cfg, tree, Summary(len(table), store.bytes_read, skipped, time.perf_counter() - start, peak, param_bytes, largest)
+    return cfg, tree, Summary(len(table), store.bytes_read, skipped, time.perf_counter() - start, peak, param_bytes,
+                              largest)
 
 
 def load_hf(path: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype: Any = "float32",

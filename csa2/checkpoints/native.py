@@ -17,8 +17,8 @@ or whose parameters follow another layout, is refused by name before any array i
 Parameter layout 2 (`LAYOUT`): `{"embed", "groups", "norm", "head"}`, where `groups[g][r]` is run r
 of `layout.layer_groups(cfg)[g]`, every leaf stacked `[iterations, layers of the run, ...]`, and
 each variable stored under its attribute name (`groups.2.0.attn.wq_a.value`). Layout 1 (one
-stacked pytree per run of identical layers, `layers.i.…`) is refused with that message. Arrays come back bit-identical in the structure of the
-caller's `*_like` pytrees (optax states are NamedTuples); a dtype or shape that differs from the
+stacked pytree per run of identical layers, `layers.i.…`) is refused with that message. Arrays come back bit-identical
+in the structure of the caller's `*_like` pytrees (optax states are NamedTuples); a dtype or shape that differs from the
 saved one is refused, never cast, padded or truncated. Saves are synchronous: when `save` returns,
 the step is on disk.
 """
@@ -76,7 +76,8 @@ def _check_config(stored: ModelConfig, requested: ModelConfig, directory, step: 
              for name in model_differences(stored, requested)]
     if diffs:
         raise ValueError(f"checkpoint {directory} step {step}: checkpoint config differs: " + ", ".join(diffs)
-                         + "; restore with the checkpoint's config (csa2.checkpoints.native.load_config) or train a new run")
+                         + "; restore with the checkpoint's config (csa2.checkpoints.native.load_config) or train a "
+                         "new run")
 
 
 def _to_json(x: Any) -> Any:
@@ -145,8 +146,8 @@ def _meta(mngr: ocp.CheckpointManager, step: int) -> dict:
     layout = meta.get("layout", 1)
     if layout != LAYOUT:
         raise ValueError(f"checkpoint {mngr.directory} step {step}: parameters in layout {layout}, this csa2 reads "
-                         f"layout {LAYOUT} (nnx modules stacked by layer group, see csa2.checkpoints.native); restore it with "
-                         "the csa2 version that wrote it, or train again")
+                         f"layout {LAYOUT} (nnx modules stacked by layer group, see csa2.checkpoints.native); restore "
+                         "it with the csa2 version that wrote it, or train again")
     return meta
 
 

@@ -4,14 +4,13 @@ One `Tensor` per released tensor of a config: its name in the safetensors files,
 (torch layout, `nn.Linear` weights `[out, in]`), how it is stored (a `WeightFormat` with a sibling
 `<base>.scale`, or a float dtype), and where it lands: `path` into the pure dict of parameters,
 `index` into that leaf's stacked axes (`[iterations, layers of the run]` of `layout.layer_groups`, then
-the expert), and the `layout` that turns one into the other:
+the expert), and the `layout` that turns one into the other (layout: released → parameter; tensors):
 
-| layout    | released → parameter                              | tensors                                       |
-|-----------|---------------------------------------------------|-----------------------------------------------|
-| `as_is`   | unchanged                                          | norms, sinks, biases, mHC base/scale, embed, Engram table and norm weights, Markov embedding |
-| `linear`  | transposed: `[out, in]` → `[in, out]` (x @ w)     | every projection, router, experts, mHC `fn`, LM head, Markov head |
-| `grouped` | `wo_a [G·R, in]` viewed `[G, R, in]` → `[G, in, R]` | `attn.wo_a`                                 |
-| `row`     | `[1, n]` → `[n]`                                   | DSpark `confidence_head.proj`                 |
+- `as_is`: unchanged; norms, sinks, biases, mHC base/scale, embed, Engram table and norm weights, Markov embedding
+- `linear`: transposed: `[out, in]` → `[in, out]` (x @ w); every projection, router, experts, mHC `fn`, LM head,
+  Markov head
+- `grouped`: `wo_a [G·R, in]` viewed `[G, R, in]` → `[G, in, R]`; `attn.wo_a`
+- `row`: `[1, n]` → `[n]`; DSpark `confidence_head.proj`
 
 Names (DeepSeek-V4.1 release; no `model.` prefix):
 
@@ -27,8 +26,8 @@ Names (DeepSeek-V4.1 release; no `model.` prefix):
     mtp.{last}.{norm.weight, markov_head.embed.weight, markov_head.head.weight, confidence_head.proj.weight}
 
 RoPE needs no permutation: the release rotates interleaved pairs of the last `qk_rope_head_dim` channels,
-as csa2 does (SPEC §7). The compressor's `wkv` feeds SPEC §4's pooling, the indexer's `wk` (the index-key projection, applied to
-the pooled latent) becomes the compressor's `wik` and `k_norm` its `ik_norm`: in csa2 the compressor
+as csa2 does (SPEC §7). The compressor's `wkv` feeds SPEC §4's pooling, the indexer's `wk` (the index-key projection,
+applied to the pooled latent) becomes the compressor's `wik` and `k_norm` its `ik_norm`: in csa2 the compressor
 publishes both the Main KV and the Indexer K of its group. `SKIPPED` lists the released tensors a
 text model has no parameter for (the vision tower), with the reason.
 """
@@ -43,7 +42,7 @@ import numpy as np
 
 from csa2.checkpoints.weights import FP4, FP8_BLOCK, FP8_ROWS, WeightFormat
 from csa2.config import ModelConfig
-from csa2.dspark import DRAFTER, stage_spec, draft_moe_config
+from csa2.dspark import DRAFTER, draft_moe_config, stage_spec
 from csa2.engram import engram_table_rows, n_tables
 from csa2.layout import LayerSpec, layer_groups, layer_plan
 
@@ -124,8 +123,10 @@ def _block(cfg: ModelConfig, spec: LayerSpec, n_experts: int, pre: str, path: tu
     mix = (2 + hc) * hc
     if spec.has_engram:
         rows, t = engram_table_rows(cfg, spec.index), n_tables(cfg)
-        yield _quant(f"{pre}.engram.embed.weight", (rows, cfg.engram_head_dim), FP8_ROWS, path + ("engram", "table"), index, "as_is")
-        yield _quant(f"{pre}.engram.wkv.weight", ((hc + 1) * d, t * cfg.engram_head_dim), FP8_BLOCK, path + ("engram", "wkv"), index)
+        yield _quant(f"{pre}.engram.embed.weight", (rows, cfg.engram_head_dim), FP8_ROWS, path + ("engram", "table"),
+                     index, "as_is")
+        yield _quant(f"{pre}.engram.wkv.weight", ((hc + 1) * d, t * cfg.engram_head_dim), FP8_BLOCK,
+                     path + ("engram", "wkv"), index)
         for w in ("q_weight", "k_weight"):
             yield _float(f"{pre}.engram.{w}", (hc, d), "BF16", path + ("engram", w), index)
     for site in ("attn", "ffn"):
@@ -153,7 +154,8 @@ def _block(cfg: ModelConfig, spec: LayerSpec, n_experts: int, pre: str, path: tu
         yield _float(f"{a}.indexer.k_norm.weight", (cfg.index_head_dim,), "BF16", cp + ("ik_norm",), index)
     if spec.role in ("full", "reindex"):
         ip = ap + ("indexer",)
-        yield _quant(f"{a}.indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, q), FP8_BLOCK, ip + ("wq",), index)
+        yield _quant(f"{a}.indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, q), FP8_BLOCK, ip + ("wq",),
+                     index)
         yield _float(f"{a}.indexer.weights_proj.weight", (cfg.index_n_heads, d), "BF16", ip + ("ww",), index, "linear")
     f, mp = f"{pre}.ffn", path + ("moe",)
     yield _float(f"{f}.gate.weight", (n_experts, d), "BF16", mp + ("router",), index, "linear")
@@ -171,10 +173,12 @@ def _drafter(cfg: ModelConfig) -> Iterator[Tensor]:
     d, v, rank, n = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank, cfg.num_nextn_predict_layers
     draft_cfg = draft_moe_config(cfg)
     first, last = "mtp.0", f"mtp.{n - 1}"
-    yield _quant(f"{first}.main_proj.weight", (d, len(cfg.dspark_target_layer_ids) * d), FP8_BLOCK, (DRAFTER, "main_proj"), ())
+    yield _quant(f"{first}.main_proj.weight", (d, len(cfg.dspark_target_layer_ids) * d), FP8_BLOCK,
+                 (DRAFTER, "main_proj"), ())
     yield _float(f"{first}.main_norm.weight", (d,), "BF16", (DRAFTER, "main_norm"), ())
     for s in range(n):
-        yield from _block(draft_cfg, stage_spec(cfg, s), cfg.dspark_n_routed_experts, f"mtp.{s}", (DRAFTER, "stages", s), ())
+        yield from _block(draft_cfg, stage_spec(cfg, s), cfg.dspark_n_routed_experts, f"mtp.{s}",
+                          (DRAFTER, "stages", s), ())
     yield _float(f"{last}.norm.weight", (d,), "BF16", (DRAFTER, "norm"), ())
     yield _float(f"{last}.markov_head.embed.weight", (v, rank), "BF16", (DRAFTER, "markov_embed"), ())
     yield _float(f"{last}.markov_head.head.weight", (v, rank), "BF16", (DRAFTER, "markov_head"), (), "linear")

@@ -59,7 +59,8 @@ class Shards:
         elif (self.directory / SINGLE).exists():
             files, weight_map = [SINGLE], None
         else:
-            raise ValueError(f"{self.directory}: no {INDEX} or {SINGLE}; pass the directory of a safetensors checkpoint")
+            raise ValueError(f"{self.directory}: no {INDEX} or {SINGLE}; pass the directory of a safetensors "
+                             "checkpoint")
         self._entries: dict[str, tuple[Path, int, dict]] = {}
         for file in files:
             header, start = _header(self.directory / file)

@@ -4,11 +4,13 @@ These are storage formats of the release's *weights* (not the cache formats of S
 `pallas_kernels.formats`). Every scale is UE8M0 (`F8_E8M0`, value `2^(code − 127)`), and the values
 come from `ml_dtypes` casts (e4m3, e2m1, e8m0), so nothing here re-derives a bit table.
 
-| format      | released tensors                                   | payload                      | scale `F8_E8M0`                         |
-|-------------|----------------------------------------------------|------------------------------|-----------------------------------------|
-| `FP8_BLOCK` | attention `wq_a wq_b wkv wo_a wo_b`, indexer `wq_b`, shared experts, Engram `wkv`, DSpark `main_proj` | `F8_E4M3 [out, in]` | `[⌈out/32⌉, ⌈in/32⌉]`, one per 32×32 tile |
-| `FP4`       | routed experts `w1 w2 w3`                          | `I8 [out, in/2]`, two e2m1 codes per byte: column 2k in the low nibble, 2k+1 in the high one | `[out, ⌈in/32⌉]`, one per row and 32 columns |
-| `FP8_ROWS`  | Engram tables `engram.embed`                       | `F8_E4M3 [rows, dim]`        | `[rows, ⌈dim/32⌉]`, one per row and 32 columns |
+Each format: the released tensors in it; the payload; the scale (`F8_E8M0`).
+
+- `FP8_BLOCK`: attention `wq_a wq_b wkv wo_a wo_b`, indexer `wq_b`, shared experts, Engram `wkv`, DSpark `main_proj`;
+  `F8_E4M3 [out, in]`; `[⌈out/32⌉, ⌈in/32⌉]`, one per 32×32 tile
+- `FP4`: routed experts `w1 w2 w3`; `I8 [out, in/2]`, two e2m1 codes per byte: column 2k in the low nibble, 2k+1 in
+  the high one; `[out, ⌈in/32⌉]`, one per row and 32 columns
+- `FP8_ROWS`: Engram tables `engram.embed`; `F8_E4M3 [rows, dim]`; `[rows, ⌈dim/32⌉]`, one per row and 32 columns
 
 Decoding: `w[r, c] = payload[r, c] · scale[tile of (r, c)]`, in float32; a tile cut short by the
 tensor's edge uses its tile's scale (the release's dimensions are all multiples of 32).
@@ -86,7 +88,8 @@ def encode(fmt: WeightFormat, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`(payload, scale)` in format `fmt` for a float weight `[out, in]` (`in` even for FP4)."""
     w = np.asarray(w, np.float32)
     if w.ndim != 2 or (fmt is FP4 and w.shape[1] % 2):
-        raise ValueError(f"encode: weight shape {w.shape}; {fmt.name} needs 2-D [out, in]" + (" with even in" if fmt is FP4 else ""))
+        raise ValueError(f"encode: weight shape {w.shape}; {fmt.name} needs 2-D [out, in]"
+                         + (" with even in" if fmt is FP4 else ""))
     rows, cols = fmt.scale_shape(w.shape)
     padded = np.zeros((rows * fmt.tile_rows, cols * TILE), np.float32)
     padded[:w.shape[0], :w.shape[1]] = np.abs(w)

@@ -2,9 +2,9 @@
 
 import dataclasses
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import csa2.attention as attn
@@ -14,10 +14,10 @@ from csa2.indexer import Bus
 from csa2.layout import kv_address, layer_plan
 from csa2.norm import rms_norm
 from csa2.presets import preset
+from csa2.stack import layer_kv
 from csa2.state import init_state
 from pallas_kernels import ops
 from pallas_kernels.reference import sink_attention
-from csa2.stack import layer_kv
 from tests.csa2.attention_stack import context, init_stack, run_stack, stack_step
 
 CFG = preset("mini")

@@ -5,9 +5,8 @@ import ast
 import copy
 import dataclasses
 import functools
-import pathlib
-
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -243,7 +242,8 @@ RULES = [
     ("engram_pad_id_negative", "tiny", dict(engram_pad_id=-1), "engram_pad_id", -1, None),
     ("engram_compressed_vocab_overflow", "v41_flash", dict(engram_compressed_vocab_size=2**62 + 1),
      "engram_compressed_vocab_size", 2**62 + 1, None),
-    ("engram_table_format_unknown", "v41_flash", dict(engram_table_format="fp4"), "engram_table_format", "fp4", "'fp8'"),
+    ("engram_table_format_unknown", "v41_flash", dict(engram_table_format="fp4"), "engram_table_format", "fp4",
+     "'fp8'"),
     ("engram_table_fp8_narrow_rows", "tiny", dict(engram_table_format="fp8"), "engram_table_format", "fp8",
      "engram_head_dim=16 must be a multiple of 32"),
     # DSpark / verify
@@ -666,7 +666,8 @@ def test_each_released_field_is_read_from_config_json(name):
 def test_variant_and_runtime_fields():
     assert fields_of(VARIANT) == ("mhc_single_pass", "engram_table_format")
     assert fields_of(RUNTIME) == ("dtype", "kernel_impl", "max_draft")
-    assert fields_of(VARIANT, RUNTIME) == ("dtype", "kernel_impl", "max_draft", "mhc_single_pass", "engram_table_format")
+    assert fields_of(VARIANT, RUNTIME) == ("dtype", "kernel_impl", "max_draft", "mhc_single_pass",
+                                           "engram_table_format")
 
 
 def test_groups_partition_the_fields():

@@ -89,7 +89,7 @@ def test_hashes_match_bigint_reference(cfg):
 def test_hashes_exact_with_multipliers_at_top_of_range(cfg, monkeypatch):
     layer = cfg.engram_layer_ids[-1]
     mults = _top_multipliers(cfg, layer)
-    monkeypatch.setattr(E, "engram_multipliers", lambda c, l: mults)
+    monkeypatch.setattr(E, "engram_multipliers", lambda c, layer: mults)
     rng = np.random.default_rng(2)
     history = _history(cfg, rng, 2, cfg.engram_max_ngram_size - 1 + 4)
     history[1, :] = cfg.engram_compressed_vocab_size - 1  # every product is the largest one
@@ -100,9 +100,10 @@ def test_hashes_exact_with_multipliers_at_top_of_range(cfg, monkeypatch):
 def test_uint32_pair_arithmetic_is_exact():
     rng = np.random.default_rng(3)
     a = np.concatenate([rng.integers(0, 2**32, 200, dtype=np.uint64), [0, 1, 2**32 - 1, 2**31]]).astype(np.uint32)
-    b = np.concatenate([rng.integers(0, 2**32, 200, dtype=np.uint64), [2**32 - 1, 0, 2**32 - 1, 2**31]]).astype(np.uint32)
+    b = np.concatenate([rng.integers(0, 2**32, 200, dtype=np.uint64),
+                        [2**32 - 1, 0, 2**32 - 1, 2**31]]).astype(np.uint32)
     hi, lo = E._mul32(jnp.asarray(a), jnp.asarray(b))
-    got = [(int(h) << 32) | int(l) for h, l in zip(np.asarray(hi), np.asarray(lo))]
+    got = [(int(high) << 32) | int(low) for high, low in zip(np.asarray(hi), np.asarray(lo))]
     assert got == [int(x) * int(y) for x, y in zip(a, b)]
     # 64-bit mod for primes up to 2^31 − 1 (digit width 1) and small primes (wide digits).
     for p in (2**31 - 1, 16000057, 1009, 3):
@@ -194,7 +195,9 @@ def test_multipliers(cfg):
 
 def test_gate_hand_values():
     a = jnp.array([0.25, -0.25, 4.0, -4.0, 1e-9, -1e-9, 0.0, 1e-6])
-    sig = lambda x: 1 / (1 + math.exp(-x))
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
     want = [sig(0.5), sig(-0.5), sig(2.0), sig(-2.0), sig(1e-3), sig(-1e-3), sig(1e-3), sig(1e-3)]
     np.testing.assert_allclose(np.asarray(E.engram_gate(a)), want, rtol=1e-6)
     grads = jax.vmap(jax.grad(lambda x: E.engram_gate(x)))(jnp.array([0.0, 1e-12, -1e-12, 1e-7, -1e-7, 2e-6]))
@@ -219,7 +222,9 @@ def test_update_hand_case():
                       [[1.0, -1.0, 1.0, -1.0], [0.5, 0.5, 0.5, 0.5]]]])  # [1, 2, 2, 4]
     rows = jnp.full((1, 2, 1), 5, jnp.int32)
     out = np.asarray(E.engram(cfg, params, X, rows))
-    sig = lambda x: 1 / (1 + math.exp(-x))
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
     value = np.array([1.0, 2.0, 3.0, 4.0])
     # a = <unit-rms X_k, unit-rms key_k> / sqrt(4): ±4 / 2 = ±2; stream (1, 0) is orthogonal (a = 0)
     g = [[sig(math.sqrt(2)), sig(-math.sqrt(2))], [sig(1e-3), sig(-math.sqrt(2))]]

@@ -36,7 +36,8 @@ def test_the_tokenizer_must_fit_the_config(mini):
     cfg = mini.replace(vocab_size=12, engram_compressed_vocab_size=7, engram_pad_id=0, dspark_noise_token_id=0)
     words = ["Hello", "hello", " HELLO", "Ünïcode", "unicode", "\t\n", " ", "ﬁ", "fi", "A\ufffd", "a\ufffd", "<unk>"]
     np.testing.assert_array_equal(engram_vocab.from_tokenizer(word_tokenizer(words), cfg)[:3], [0, 0, 0])
-    with pytest.raises(ValueError, match=r"7 distinct; the hash multipliers assume exactly engram_compressed_vocab_size=6"):
+    with pytest.raises(ValueError,
+                       match=r"7 distinct; the hash multipliers assume exactly engram_compressed_vocab_size=6"):
         engram_vocab.from_tokenizer(word_tokenizer(words), cfg.replace(engram_compressed_vocab_size=6))
     with pytest.raises(ValueError, match=r"tokenizer: 12 ids for vocab_size=13"):
         engram_vocab.from_tokenizer(word_tokenizer(words), cfg.replace(vocab_size=13))

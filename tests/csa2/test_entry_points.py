@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from csa2 import model
-from csa2.presets import preset
 from csa2.index_loss import IndexLoss
+from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state
 from tests.csa2.helpers import keep, tokens
@@ -61,7 +61,8 @@ def test_value_checks_run_on_the_host_and_shape_checks_under_trace(mini_params):
 
     assert int(traced(jnp.ones((2, 4), jnp.int32))) == MINI.num_hidden_layers * 8
     with pytest.raises(ValueError, match="one token per row"):
-        jax.jit(lambda t: model.decode_step(MINI, mini_params, init_state(MINI, 2, CAP), t))(jnp.ones((2, 2), jnp.int32))
+        jax.jit(lambda t: model.decode_step(MINI, mini_params, init_state(MINI, 2, CAP), t))(
+            jnp.ones((2, 2), jnp.int32))
 
 
 def test_trusted_call_checks_shapes_and_host_values_only(mini_params):

@@ -10,9 +10,8 @@ import pytest
 from flax import nnx
 
 from csa2 import quant
+from csa2.indexer import Indexer, candidate_pool, full_topk, index_queries, reindex_topk, select_topk, visible_entries
 from csa2.presets import preset
-from csa2.indexer import (Indexer, candidate_pool, full_topk, index_queries, reindex_topk, select_topk,
-                          visible_entries)
 from csa2.rope import apply_rope, rope_frequencies
 from csa2.state import GlobalKV
 from pallas_kernels import reference

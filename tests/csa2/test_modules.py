@@ -1,7 +1,7 @@
 """Parameters are declared by flax.nnx modules (DESIGN §2): types, logical axes, the stacked layout, display."""
 
-import io
 import contextlib
+import io
 
 import jax
 import pytest

@@ -1,5 +1,5 @@
-"""Probes (`forward(..., instrument=Probes())`, `research.probe`): the model's own run, with dense attention mass recorded
-next to the selections every layer read."""
+"""Probes (`forward(..., instrument=Probes())`, `research.probe`): the model's own run, with dense attention mass
+recorded next to the selections every layer read."""
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,5 @@
-"""KV-selection policies inside the model (`forward(..., instrument=KVSelection(policy, start))`, SPEC §14): what the layers
-read, that the prefill is untouched, that a budget covering every entry is full attention, and causality.
+"""KV-selection policies inside the model (`forward(..., instrument=KVSelection(policy, start))`, SPEC §14): what the
+layers read, that the prefill is untouched, that a budget covering every entry is full attention, and causality.
 The policies' own arithmetic is tested on hand cases in `test_selection_policies.py`."""
 
 import jax

@@ -15,8 +15,25 @@ import pytest
 
 from csa2.layout import layer_plan
 from csa2.presets import preset
-from research.selection import (H2O, Oracle, PyramidKV, Quest, SnapKV, StreamingLLM, View, sink_softmax,
-                            fill_newest, h2o, newest, oracle, quest, recent_count, snapkv, streaming_llm, top)
+from research.selection import (
+    H2O,
+    Oracle,
+    PyramidKV,
+    Quest,
+    SnapKV,
+    StreamingLLM,
+    View,
+    fill_newest,
+    h2o,
+    newest,
+    oracle,
+    quest,
+    recent_count,
+    sink_softmax,
+    snapkv,
+    streaming_llm,
+    top,
+)
 
 MINI = preset("mini")  # 8 layers, layer 0 SWA, index_topk 16
 D = 64
@@ -128,7 +145,8 @@ def test_sink_softmax_has_rest_in_the_denominator():
 
 
 def test_view_probs_and_mass():
-    """`View.logits` is −inf off visible; a `read` mask restricts the softmax; `mass` is the head mean of dense probs."""
+    """`View.logits` is −inf off visible; a `read` mask restricts the softmax; `mass` is the head mean of dense
+    probs."""
     lg = np.array([[[0.0, np.log(3.0), 5.0], [np.log(2.0), 0.0, 5.0]]])  # S=1, H=2, N=3; entry 2 invisible
     v = make_view(lg, [2], rest=[[0.0, np.log(1.0)]])
     assert np.isneginf(np.asarray(v.logits())[0, 0, :, 2]).all()
@@ -247,7 +265,8 @@ def test_h2o_start_at_end_and_recent_one():
 
 
 def test_h2o_budget_and_eviction_properties():
-    """`h2o` on random attention: post-start reads ≤ budget, within visible, newest read, evicted entries never return."""
+    """`h2o` on random attention: post-start reads ≤ budget, within visible, newest read, evicted entries never
+    return."""
     rng = np.random.default_rng(1)
     s, h, n, budget, recent, start = 24, 2, 16, 6, 0.5, 8
     nc = recent_count(budget, recent)

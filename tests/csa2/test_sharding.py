@@ -49,7 +49,8 @@ def test_the_released_model_splits_over_the_documented_axes(v41_flash):
         PartitionSpec(None, None, None, "tensor")
     assert mesh_lib.spec(("experts", "embed", "mlp"), (384, 5120, 2304), mesh, rules, "w1") == \
         PartitionSpec("expert", None, "tensor")
-    assert mesh_lib.spec(("vocab", "embed"), (cfg.vocab_size, 5120), mesh, rules, "embed") == PartitionSpec("tensor", None)
+    assert mesh_lib.spec(("vocab", "embed"), (cfg.vocab_size, 5120), mesh, rules, "embed") == \
+        PartitionSpec("tensor", None)
     assert mesh_lib.spec(("groups", "layers", "engram_rows", "engram_dim"), (1, 1, 384_016_682, 256), mesh, rules,
                          "engram table") == PartitionSpec(None, None, None, "expert")
 
@@ -57,7 +58,8 @@ def test_the_released_model_splits_over_the_documented_axes(v41_flash):
 def test_a_rule_may_split_one_dimension_over_several_mesh_axes():
     mesh = jax.sharding.AbstractMesh((1, 2, 4), mesh_lib.MESH_AXES)
     rules = {"engram_dim": ("tensor", "expert"), "embed": None}
-    assert mesh_lib.spec(("engram_dim", "embed"), (16, 3), mesh, rules, "t") == PartitionSpec(("tensor", "expert"), None)
+    assert mesh_lib.spec(("engram_dim", "embed"), (16, 3), mesh, rules, "t") == \
+        PartitionSpec(("tensor", "expert"), None)
     with pytest.raises(ValueError, match=r"dimension 'engram_dim' of size 12 does not split over mesh axis "
                                          r"\('tensor', 'expert'\) of size 8"):
         mesh_lib.spec(("engram_dim",), (12,), mesh, rules, "t")
@@ -80,7 +82,8 @@ def test_bad_rules_are_refused_by_parameter_and_axis(mini):
     rules = mesh_lib.rules_for("mini")
     with pytest.raises(ValueError, match=r"wq_b: logical axis 'nope' has no rule"):
         mesh_lib.spec(("nope",), (4,), mesh, rules, "wq_b")
-    with pytest.raises(ValueError, match=r"w1: dimension 'experts' of size 4 does not split over mesh axis 'expert' of size 8"):
+    with pytest.raises(ValueError, match=r"w1: dimension 'experts' of size 4 does not split over mesh axis "
+                                         r"'expert' of size 8"):
         mesh_lib.spec(("experts", "embed"), (4, 64), mesh, rules, "w1")
     with pytest.raises(ValueError, match=r"mesh axis 'tensor' would shard two dimensions; map 'mlp' to None"):
         mesh_lib.spec(("heads", "mlp"), (4, 4), mesh, rules, "x")
@@ -110,8 +113,10 @@ EXPERT_PARALLEL = textwrap.dedent("""
             got = run(params, x), grad(params, x)
             parallel = "sdy.manual_computation" in run.lower(params, x).as_text()
         scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want[1]))  # gradients: relative
-        print(shape, parallel, float(jnp.max(jnp.abs(got[0][0] - want[0][0]))), float(jnp.max(jnp.abs(got[0][1] - want[0][1]))),
-              max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))) / scale)
+        print(shape, parallel, float(jnp.max(jnp.abs(got[0][0] - want[0][0]))),
+              float(jnp.max(jnp.abs(got[0][1] - want[0][1]))),
+              max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])))
+              / scale)
 """)
 
 
@@ -152,7 +157,8 @@ EIGHT_DEVICES = textwrap.dedent("""
         _, params = load_hf(path, cfg, mesh=mesh, rules=rules)
         got = nnx.to_pure_dict(params)
         want = sharding.param_shardings(cfg, mesh, rules)
-        for (p, a), s, w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), jax.tree.leaves(whole)):
+        for (p, a), s, w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
+                                jax.tree.leaves(whole)):
             assert a.sharding.is_equivalent_to(s, a.ndim), (jax.tree_util.keystr(p), a.sharding, s)
             assert np.asarray(a).tobytes() == w.tobytes(), jax.tree_util.keystr(p)
         w1 = got["groups"][0][0]["moe"]["w1"]
@@ -161,8 +167,8 @@ EIGHT_DEVICES = textwrap.dedent("""
 
 
 def test_a_released_checkpoint_loads_straight_into_its_shards_on_8_devices():
-    """Three meshes (8×1×1, 2×2×2, 1×2×4; mini's drafter has 4 experts): every parameter comes back with the rules' sharding and the values
-    of the single-device load, bit for bit; each device holds only its shard."""
+    """Three meshes (8×1×1, 2×2×2, 1×2×4; mini's drafter has 4 experts): every parameter comes back with the rules'
+    sharding and the values of the single-device load, bit for bit; each device holds only its shard."""
     env = mesh_lib.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", EIGHT_DEVICES], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
@@ -231,7 +237,8 @@ ENTRY_POINTS = textwrap.dedent("""
     # A float cache: packed bits would turn 1e-7 differences into whole FP8/FP4 rounding steps.
     want, _, _ = run(OneDevice, lambda *a: train_lib.train_step(cfg, tc, *a), params, init_state(cfg, 8, 64, "float"),
                      train_lib.init_train_state(cfg, tc), lambda x: x, ALL)
-    want = jax.tree.map(np.asarray, {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in want.items()})
+    want = jax.tree.map(np.asarray,
+                        {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in want.items()})
     for shape, parts in MESHES:
         mesh = mesh_lib.make_mesh(shape)
         rules = mesh_lib.rules_for("mini")
@@ -258,7 +265,8 @@ ENTRY_POINTS = textwrap.dedent("""
             assert mu_w1.sharding.is_equivalent_to(w1.sharding, w1.ndim), (mu_w1.sharding, w1.sharding)
         for a in jax.tree.leaves(state):
             assert a.sharding.is_equivalent_to(mesh_lib.rows(mesh), a.ndim), a.sharding
-        got = jax.tree.map(np.asarray, {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in got.items()})
+        got = jax.tree.map(np.asarray,
+                           {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in got.items()})
         for key in got:
             pairs = zip(jax.tree.leaves(got[key]), jax.tree.leaves(want[key]))
             diffs = np.concatenate([np.abs(g.astype(np.float64) - w).ravel() for g, w in pairs])

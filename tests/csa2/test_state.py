@@ -11,8 +11,18 @@ import pytest
 
 from csa2 import model
 from csa2.presets import preset
-from csa2.state import (AcceptBuffer, CompressorTail, GlobalKV, SourceKV, State, abstract_state, init_state,
-                        kv_bytes_per_token, state_bytes, swa_bytes_per_sequence)
+from csa2.state import (
+    AcceptBuffer,
+    CompressorTail,
+    GlobalKV,
+    SourceKV,
+    State,
+    abstract_state,
+    init_state,
+    kv_bytes_per_token,
+    state_bytes,
+    swa_bytes_per_sequence,
+)
 from pallas_kernels.formats import INDEX, MAIN, WINDOW
 from pallas_kernels.stored import Stored
 

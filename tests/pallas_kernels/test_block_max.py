@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import indexer as pk_indexer
-from pallas_kernels import ops, reference
+from pallas_kernels import indexer as pk_indexer, ops, reference
 from tests.pallas_kernels.cases import traced
 
 OP = "block_max"

@@ -8,12 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import indexer as pk_indexer
-from pallas_kernels import ops, reference
+from pallas_kernels import indexer as pk_indexer, ops, reference
 from pallas_kernels.formats import INDEX
 from pallas_kernels.stored import Stored
 from tests.pallas_kernels.cases import (
-    TOL, check_score_grads, check_scores, indexer_case, np_entries, np_gather, np_index_scores, same_topk, traced,
+    TOL,
+    check_score_grads,
+    check_scores,
+    indexer_case,
+    np_entries,
+    np_gather,
+    np_index_scores,
+    same_topk,
+    traced,
 )
 
 OP = "indexer_scores_gathered"

@@ -27,7 +27,9 @@ def _case(name):
 def _error(fn, name) -> float:
     """Worst difference from the reference over the output and the gradients of lhs and rhs."""
     lhs, rhs, sizes = _case(name)
-    loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b, sizes)))
+    def loss(f):
+        return lambda a, b: jnp.sum(jnp.sin(f(a, b, sizes)))
+
     got = (fn(lhs, rhs, sizes), *jax.grad(loss(fn), argnums=(0, 1))(lhs, rhs))
     want = (reference.ragged_dot(lhs, rhs, sizes), *jax.grad(loss(reference.ragged_dot), argnums=(0, 1))(lhs, rhs))
     return max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(got, want))

@@ -8,12 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ops, reference
-from pallas_kernels import sparse_attention as pk_sparse
+from pallas_kernels import ops, reference, sparse_attention as pk_sparse
 from pallas_kernels.formats import MAIN, WINDOW
 from pallas_kernels.stored import Stored
-from tests.pallas_kernels.cases import (ATTENTION_CASES, TOL, attention_case, empty_rows, np_entries, np_gather,
-                                        np_sink_attention, np_sparse_attention, traced)
+from tests.pallas_kernels.cases import (
+    ATTENTION_CASES,
+    TOL,
+    attention_case,
+    empty_rows,
+    np_entries,
+    np_gather,
+    np_sink_attention,
+    np_sparse_attention,
+    traced,
+)
 
 OP = "sparse_attention"
 

@@ -209,8 +209,9 @@ def test_training_blocks_match_the_numpy_oracle(setup):
         for j, a in enumerate(anchors[b]):
             h = oracle.draft_hidden(CFG, setup.p, setup.embed, ctx, tokens[b, a], a)
             want_logits, want_conf = oracle.heads(CFG, setup.p, setup.head, h, tokens[b, a:a + gamma])
-            worst["logits"] = max(worst["logits"], float(np.abs(np.asarray(logits[b, j], np.float64) - want_logits).max()
-                                                         / np.abs(want_logits).max()))
+            worst["logits"] = max(worst["logits"],
+                                  float(np.abs(np.asarray(logits[b, j], np.float64) - want_logits).max()
+                                        / np.abs(want_logits).max()))
             worst["conf"] = max(worst["conf"], float(np.abs(np.asarray(conf[b, j], np.float64) - want_conf).max()))
     print(f"\nanchored vs oracle: {worst}")
     assert worst["logits"] <= TOL and worst["conf"] <= TOL, worst

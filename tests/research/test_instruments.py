@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from csa2 import model
-from csa2.presets import preset
 from csa2.hooks import Instrument, Joined
 from csa2.indexer import select_topk
 from csa2.layout import layer_plan
+from csa2.presets import preset
 from research.probe import Probes
 
 MINI = preset("mini")

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from csa2.presets import BOS_ID, preset
-from train import __main__ as cli
-from train import longctx
+from train import __main__ as cli, longctx
 from train.data import load_corpus
 from train.loop import train
 from train.step import TrainConfig

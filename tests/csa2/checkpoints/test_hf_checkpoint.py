@@ -143,7 +143,8 @@ def test_dry_run_lists_every_tensor_and_the_parameter_it_becomes(capsys):
     assert main(["convert", "dry-run", "--preset", "mini"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(released.tensors(MINI)) + 1
-    assert "layers.1.ffn.experts.7.w2.weight  I8 [64, 32] + layers.1.ffn.experts.7.w2.scale F8_E8M0 [64, 2]" in "\n".join(lines)
+    assert ("layers.1.ffn.experts.7.w2.weight  I8 [64, 32] + layers.1.ffn.experts.7.w2.scale F8_E8M0 [64, 2]"
+            in "\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,13 +270,17 @@ def bf16(shape):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"layers.3.attn.unknown.weight": bf16((4,))}, r"1 tensor\(s\) this config has no parameter for.*layers.3.attn.unknown"),
+    ({"layers.3.attn.unknown.weight": bf16((4,))},
+     r"1 tensor\(s\) this config has no parameter for.*layers.3.attn.unknown"),
     ({"layers.5.attn.kv_norm.weight": None}, r"lacks 1 tensor\(s\).*layers.5.attn.kv_norm.weight"),
-    ({"layers.5.attn.kv_norm.weight": bf16((31,))}, r"'layers.5.attn.kv_norm.weight': stored shape \(31,\).*expects \(32,\)"),
-    ({"layers.2.attn.wq_a.scale": None}, r"'layers.2.attn.wq_a.weight': dtype F8_E4M3 without a 'layers.2.attn.wq_a.scale'"),
+    ({"layers.5.attn.kv_norm.weight": bf16((31,))},
+     r"'layers.5.attn.kv_norm.weight': stored shape \(31,\).*expects \(32,\)"),
+    ({"layers.2.attn.wq_a.scale": None},
+     r"'layers.2.attn.wq_a.weight': dtype F8_E4M3 without a 'layers.2.attn.wq_a.scale'"),
     ({"layers.2.attn.wq_a.weight": None}, r"'layers.2.attn.wq_a.scale' is a scale without its payload"),
     ({"layers.2.attn.q_norm.scale": bf16((1,))}, r"'layers.2.attn.q_norm.weight': payload dtype BF16 beside a scale"),
-    ({"layers.2.attn.wq_a.scale": np.zeros((1, 1), ml_dtypes.float8_e8m0fnu)}, r"'layers.2.attn.wq_a.weight': scale shape \(1, 1\)"),
+    ({"layers.2.attn.wq_a.scale": np.zeros((1, 1), ml_dtypes.float8_e8m0fnu)},
+     r"'layers.2.attn.wq_a.weight': scale shape \(1, 1\)"),
 ])
 def test_bad_tensors_are_refused_by_name(released_mini, tmp_path, change, message):
     bad = rewrite(released_mini, tmp_path / "bad", change)
