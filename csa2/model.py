@@ -17,7 +17,6 @@ Each entry point checks its arguments on the host before tracing (`csa2.boundary
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx

@@ -20,7 +20,8 @@ RECIPES = ("longctx",)
 _TRAIN_FIELDS = {"steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "warmup": "warmup",
                  "index_loss_weight": "index_loss_weight", "dense_warmup": "dense_warmup_steps",
                  "replay_window": "replay_window", "seed": "seed", "qat_from": "qat_from"}  # flag → TrainConfig field
-_RECIPE_FLAGS = ("out", "quiet", "float", "compile_cache")  # the only flags a --recipe run takes: the recipe fixes everything else
+# The only flags a --recipe run takes: the recipe fixes everything else.
+_RECIPE_FLAGS = ("out", "quiet", "float", "compile_cache")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -4,20 +4,20 @@ import contextlib
 import io
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from csa2 import model
-from csa2.layout import layer_groups, layer_plan
-from csa2.moe import RouterBias, bias_update
 from csa2.engram import PackedRows
 from csa2.engram_vocab import DefaultTable
+from csa2.layout import layer_groups, layer_plan
+from csa2.moe import RouterBias, bias_update
 from csa2.params import Fill, Normal, arrays
+from csa2.stack import layer_params
 from pallas_kernels.formats import WINDOW
 from pallas_kernels.stored import Stored
-from csa2.stack import layer_params
 
 
 def _variables(params):
@@ -107,7 +107,8 @@ def test_packed_engram_rows_are_the_float_twins_rows_packed(mini):
     """`engram_table_format="fp8"`: payload and scales pack the one draw the float model holds as its table; the
     compressed vocabulary table is its default."""
     cfg = mini.replace(engram_head_dim=32)
-    packed_cfg = cfg.replace(engram_table_format="fp8", engram_compressed_vocab_size=cfg.vocab_size - 6, engram_pad_id=0)
+    packed_cfg = cfg.replace(engram_table_format="fp8", engram_compressed_vocab_size=cfg.vocab_size - 6,
+                             engram_pad_id=0)
     floats = nnx.to_flat_state(model.init_params(cfg, jax.random.PRNGKey(5)))
     packed = dict(nnx.to_flat_state(model.init_params(packed_cfg, jax.random.PRNGKey(5))))
     tables = [(path, v) for path, v in floats if path[-2:] == ("engram", "table")]
