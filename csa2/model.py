@@ -71,7 +71,7 @@ class Model(nnx.Module):
 def init_params(cfg: ModelConfig, key: Array) -> nnx.State:
     """All parameters, as the `nnx.State` of `Model(cfg)`: float32 `Param`s and `RouterBias` variables, and the int32
     `CompressedVocab` when the model has one, each drawn on the host by its declared initializer from `key` and its
-    path (`csa2.params.initialize`: no program is compiled). `key` must be concrete (not traced)."""
+    path (`csa2.params.initialize`: no program is compiled; under a transform, a host callback)."""
     return initialize(abstract_params(cfg), key)
 
 

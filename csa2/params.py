@@ -8,9 +8,10 @@ sharded eagerly here. The math lives in pure functions that read a plain dict of
 Two ways to get values. A module constructed with `nnx.Rngs` draws its own with JAX (tests build single modules
 so). A whole model is drawn by `initialize`: its parameters' shapes come from `nnx.eval_shape` (a trace, nothing
 compiled) and each leaf is drawn on the host by its declared initializer from a NumPy generator seeded with the
-key and the leaf's path. Tracing and compiling one JAX draw per parameter shape costs about a minute for the `tiny`
-preset on two CPU cores; the host draws take a fraction of a second. Per-path seeds make a leaf's value independent
-of every other leaf (adding a parameter moves no other), and a stacked leaf `[groups, layers, ...]` is one draw.
+key and the leaf's path (under a transform, through `jax.pure_callback`). Tracing and compiling one JAX draw per
+parameter shape costs about a minute for the `tiny` preset on two CPU cores; the host draws take a fraction of a
+second. Per-path seeds make a leaf's value independent of every other leaf (adding a parameter moves no other),
+and a stacked leaf `[groups, layers, ...]` is one draw.
 """
 
 from __future__ import annotations
@@ -63,22 +64,28 @@ class Fill:
 def initialize(declared: nnx.State, key: Array) -> nnx.State:
     """`declared` (a state of shapes, from `nnx.eval_shape`) with every leaf drawn on the host by its `init`
     metadata, from `np.random.default_rng([*key_data, crc32(path)])`, path the leaf's `/`-joined path with its last
-    element replaced by the initializer's `stream` when it names one. Returns device arrays (default device)."""
-    if isinstance(key, jax.core.Tracer):
-        raise ValueError("key: initialize draws on the host, so the key must be concrete, not traced under "
-                         "jit/vmap/eval_shape; call it outside the transform (abstract shapes: `nnx.eval_shape`)")
-    words = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
-    if words.dtype != np.uint32:
+    element replaced by the initializer's `stream` when it names one. A concrete key draws at once; a traced one
+    (under `jit`, `vmap`, `eval_shape`) draws through `jax.pure_callback` when the program runs, the same values."""
+    flat = nnx.to_flat_state(declared)
+    words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    if words.dtype != jnp.uint32:
         raise ValueError(f"key: dtype {words.dtype}; pass jax.random.key(seed) or jax.random.PRNGKey(seed)")
-    seed = [int(w) for w in words.ravel()]
 
-    def draw(path: tuple, variable: nnx.Variable) -> nnx.Variable:
-        init = variable.get_metadata()["init"]
-        names = [str(p) for p in path[:-1]] + [init.stream or str(path[-1])]
-        rng = np.random.default_rng([*seed, zlib.crc32("/".join(names).encode())])
-        return variable.replace(jnp.asarray(init(rng, variable.shape)))
+    def draw(words: np.ndarray) -> list[np.ndarray]:
+        seed = [int(w) for w in np.asarray(words).ravel()]
+        out = []
+        for path, variable in flat:
+            init = variable.get_metadata()["init"]
+            names = [str(p) for p in path[:-1]] + [init.stream or str(path[-1])]
+            out.append(init(np.random.default_rng([*seed, zlib.crc32("/".join(names).encode())]), variable.shape))
+        return out
 
-    return nnx.from_flat_state([(path, draw(path, v)) for path, v in nnx.to_flat_state(declared)])
+    if isinstance(words, jax.core.Tracer):
+        shapes = [jax.ShapeDtypeStruct(v.shape, v.get_value().dtype) for _, v in flat]
+        values = jax.pure_callback(draw, shapes, words, vmap_method="sequential")
+    else:
+        values = [jnp.asarray(x) for x in draw(words)]
+    return nnx.from_flat_state([(path, v.replace(x)) for (path, v), x in zip(flat, values)])
 
 
 def _declare(kind: type[nnx.Variable], value: Array, axes: Axes, init: Initializer) -> nnx.Variable:

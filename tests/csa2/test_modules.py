@@ -123,9 +123,15 @@ def test_packed_engram_rows_are_the_float_twins_rows_packed(mini):
     np.testing.assert_array_equal(vocab.get_value()[-7:], [packed_cfg.vocab_size - 7] + [0] * 6)
 
 
-def test_init_params_refuses_a_traced_key(mini):
-    with pytest.raises(ValueError, match="key: initialize draws on the host"):
-        jax.jit(lambda k: model.init_params(mini, k))(jax.random.PRNGKey(0))
+def test_init_params_under_jit_and_vmap_draws_the_same_values(mini, mini_params):
+    """A traced key draws through a host callback when the program runs: jit and vmap give the eager values."""
+    jitted = jax.jit(lambda k: model.init_params(mini, k))(jax.random.PRNGKey(0))
+    stacked = jax.vmap(lambda k: model.init_params(mini, k))(jnp.stack([jax.random.PRNGKey(7), jax.random.PRNGKey(0)]))
+    for (path, a), (_, b), (_, c) in zip(_variables(mini_params), _variables(jitted), _variables(stacked)):
+        np.testing.assert_array_equal(b.get_value(), a.get_value(), err_msg=str(path))
+        np.testing.assert_array_equal(c.get_value()[1], a.get_value(), err_msg=str(path))
+    with pytest.raises(ValueError, match="key: dtype int32"):
+        model.init_params(mini, jnp.zeros(2, jnp.int32))
 
 
 def test_display_and_tabulate_tiny(tiny, tiny_params):
