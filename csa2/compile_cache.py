@@ -23,7 +23,7 @@ import jax
 
 ENV = "CSA2_COMPILE_CACHE"
 OFF = "off"
-MIN_COMPILE_S = 0.5  # smaller programs compile faster than a cache lookup pays back
+MIN_COMPILE_S = 0.5  # programs that compile faster are not written (the test suite uses the same threshold)
 
 
 def default_dir() -> Path:
@@ -40,10 +40,15 @@ def add_argument(parser: argparse.ArgumentParser, fallback: bool = True) -> None
                              f"JAX's own setting, {last})")
 
 
+def _choice(flag: str | None) -> str | None:
+    """The flag, else `$CSA2_COMPILE_CACHE`; None when neither is given."""
+    return flag if flag is not None else os.environ.get(ENV)
+
+
 def resolve(flag: str | None = None, fallback: bool = True) -> Path | None:
     """The directory `enable(flag, fallback)` turns on: the flag, else `$CSA2_COMPILE_CACHE`, else none when JAX
     already has one or `fallback` is False, else `default_dir()`. None also when the flag or variable says off."""
-    choice = flag if flag is not None else os.environ.get(ENV)
+    choice = _choice(flag)
     if choice is not None:
         if not choice.strip():
             raise ValueError(f"compile cache: empty value (--compile-cache or ${ENV}); give a directory or '{OFF}'")
@@ -61,6 +66,6 @@ def enable(flag: str | None = None, fallback: bool = True) -> str | None:
         path.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
-    elif (flag if flag is not None else os.environ.get(ENV)) == OFF:
+    elif _choice(flag) == OFF:
         jax.config.update("jax_compilation_cache_dir", None)
     return jax.config.jax_compilation_cache_dir
