@@ -3,7 +3,8 @@
 A compiled program is stored on disk under a key of its HLO, the compile options, the backend and the jax/jaxlib
 versions, and the next process that compiles the same program loads it instead: the second `python -m infer` on
 the same shapes skips its compiles. The CLIs (`python -m infer`, `python -m train`, `python -m infer.bench_spec`,
-`python -m train.demo`, `python -m experiments.notebooks`) and the notebooks call `enable` first.
+`python -m train.demo`, `python -m experiments.notebooks`) and the notebooks call `enable`
+first (a CLI whose errors are not otherwise caught through `enable_cli`).
 
 Where, in order: the `--compile-cache` flag (a directory, or `off`); the `CSA2_COMPILE_CACHE` environment variable
 (the same values); a directory already given to JAX (`JAX_COMPILATION_CACHE_DIR` or `jax.config`), which is left
@@ -69,3 +70,12 @@ def enable(flag: str | None = None, fallback: bool = True) -> str | None:
     elif _choice(flag) == OFF:
         jax.config.update("jax_compilation_cache_dir", None)
     return jax.config.jax_compilation_cache_dir
+
+
+def enable_cli(parser: argparse.ArgumentParser, flag: str | None, fallback: bool = True) -> str | None:
+    """`enable` for a CLI: a bad value (an empty flag or variable) exits through `parser.error` (one `error:` line,
+    status 2) instead of a traceback."""
+    try:
+        return enable(flag, fallback)
+    except ValueError as err:
+        parser.error(str(err))

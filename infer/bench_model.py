@@ -454,8 +454,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    compile_cache.enable(args.compile_cache, fallback=False)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    compile_cache.enable_cli(parser, args.compile_cache, fallback=False)
     contexts = args.contexts or ([256, 1024] if args.quick else [2048, 8192])
     decode_contexts = args.decode_contexts or ([128, 512] if args.quick else [512, 2048])
     steps = args.decode_steps or (10 if args.quick else 20)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default=None, help="also time the step sharded on this mesh, e.g. data=8")
     compile_cache.add_argument(ap, fallback=False)
     args = ap.parse_args(argv)
-    compile_cache.enable(args.compile_cache, fallback=False)
+    compile_cache.enable_cli(ap, args.compile_cache, fallback=False)
     if min(args.batch_size, args.seq_len, args.steps) < 1:
         print("error: --batch-size, --seq-len and --steps must be ≥ 1", file=sys.stderr)
         return 2

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dspark-steps", type=int, default=100)
     compile_cache.add_argument(p)
     args = p.parse_args(argv)
-    compile_cache.enable(args.compile_cache)
+    compile_cache.enable_cli(p, args.compile_cache)
     t0 = time.perf_counter()
     cfg = preset(args.preset)
     corpus = load_corpus()
