@@ -3,7 +3,7 @@
 A compiled program is stored on disk under a key of its HLO, the compile options, the backend and the jax/jaxlib
 versions, and the next process that compiles the same program loads it instead: the second `python -m infer` on
 the same shapes skips its compiles. The CLIs (`python -m infer`, `python -m train`, `python -m infer.bench_spec`,
-`python -m train.demo`, `python -m experiments.notebooks`) and the notebooks call `enable`
+`python -m train.demo`, `python -m experiments.notebooks`, `python -m infer.pd`) and the notebooks call `enable`
 first (a CLI whose errors are not otherwise caught through `enable_cli`).
 
 Where, in order: the `--compile-cache` flag (a directory, or `off`); the `CSA2_COMPILE_CACHE` environment variable

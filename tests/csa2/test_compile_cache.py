@@ -63,7 +63,8 @@ def test_every_cli_takes_the_flag(module, capsys):
     assert ("else off" in text) == bench and (str(default_dir()) in text) != bench
 
 
-@pytest.mark.parametrize("module", ["train.demo", "infer.bench_model", "train.bench"])
+@pytest.mark.parametrize("module", ["train.demo", "infer.bench_model", "train.bench", "infer.pd",
+                                    "infer.bench_handoff"])
 def test_a_cli_refuses_an_empty_value_with_one_error_line(module, jax_cache, monkeypatch, capsys):
     """The CLIs that enable the cache before anything else (`enable_cli`): status 2 and an `error:` line, no
     traceback (the others catch ValueError in their own error handling)."""
