@@ -16,7 +16,8 @@ import numpy as np
 
 from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
-from train.longctx import LongCtxRecipe, passkey_accuracy
+from infer.schedule import config_fingerprint
+from train.longctx import RECIPE, LongCtxRecipe, check_recipe, passkey_accuracy, write_recipe
 from train.loop import evaluate, train
 from train.step import TrainConfig
 
@@ -49,10 +50,18 @@ FAST_PRESET = "mini"
 def ablation(cfg: ModelConfig, train_tokens: np.ndarray, valid_tokens: np.ndarray, spec: Ablation,
              out: str | pathlib.Path) -> dict[str, dict[str, float]]:
     """{run: {"float": val bpb, "fp4": val bpb}} for the runs of `spec`, each trained into `out/<n>` (a finished run
-    there is reused, a partial one resumed)."""
+    there is reused, a partial one resumed). Each run directory is keyed on its whole recipe (the run, the model
+    config's fingerprint and every training field, in `recipe.json`): a directory of another recipe, or one with a
+    checkpoint but no recipe, is refused rather than reused."""
     table = {}
     for i, run in enumerate(RUNS):
         path = pathlib.Path(out) / str(i)
+        recipe = {"run": run, "config": config_fingerprint(cfg), **dataclasses.asdict(spec.config(run))}
+        if checkpoint.latest_step(path) is not None and not (path / RECIPE).exists():
+            raise ValueError(f"{path}: holds a checkpoint but no {RECIPE}, so its recipe is unknown; delete {path} "
+                             "or pass another out")
+        check_recipe(path, recipe)
+        write_recipe(path, recipe)
         state = train(cfg, spec.config(run), train_tokens, path, resume=checkpoint.latest_step(path) is not None,
                       log=lambda _: None, bar=False)
         table[run] = {numerics: evaluate(cfg, state.params, valid_tokens, qat=numerics == "fp4",

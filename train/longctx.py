@@ -258,8 +258,7 @@ def run(recipe: LongCtxRecipe, out: str | pathlib.Path, *,
     """Train `recipe` into `out` (resuming a partial run there), measure pass-key accuracy, write accuracy.json;
     returns (config, params, report)."""
     out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / RECIPE).write_text(json.dumps(dataclasses.asdict(recipe), indent=1) + "\n")
+    write_recipe(out, recipe)
     cfg = recipe.config()
     t0 = time.perf_counter()
     state = train(cfg, recipe.train_config(), mixed_batches(recipe, load_corpus().train), out,
@@ -277,14 +276,24 @@ def run(recipe: LongCtxRecipe, out: str | pathlib.Path, *,
     return cfg, state.params, report
 
 
+def _as_json(recipe) -> dict:
+    return json.loads(json.dumps(recipe if isinstance(recipe, dict) else dataclasses.asdict(recipe)))
+
+
+def write_recipe(out: pathlib.Path, recipe) -> None:
+    """Store `recipe` (a dataclass or a dict of JSON values) as `out/recipe.json`, what `check_recipe` compares."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RECIPE).write_text(json.dumps(_as_json(recipe), indent=1) + "\n")
+
+
 def check_recipe(out: pathlib.Path, recipe) -> None:
-    """A run directory may only hold runs of `recipe` (a dataclass, stored as `out/recipe.json`): otherwise
-    ValueError naming the differing fields."""
+    """A run directory may only hold runs of `recipe` (a dataclass or a dict, stored as `out/recipe.json`):
+    otherwise ValueError naming the differing fields."""
     path = out / RECIPE
     if not path.exists():
         return
     stored = json.loads(path.read_text())
-    wanted = json.loads(json.dumps(dataclasses.asdict(recipe)))
+    wanted = _as_json(recipe)
     differ = sorted(k for k in wanted.keys() | stored.keys() if stored.get(k) != wanted.get(k))
     if differ:
         raise ValueError(f"{out}: holds a run of another recipe (fields {', '.join(differ)} differ); "

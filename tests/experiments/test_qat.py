@@ -1,8 +1,10 @@
 """The float vs SPEC §8 numerics measurements behind notebooks/fp4_qat.ipynb."""
 
+import dataclasses
 import json
 
 import numpy as np
+import pytest
 
 from csa2.presets import preset
 from experiments import qat
@@ -25,6 +27,13 @@ def test_ablation_scores_three_runs_under_both_numerics_and_reuses_them(tmp_path
     assert [json.loads(lines[2].splitlines()[-1])["step"]] == [2]
     assert qat.ablation(cfg, corpus.train, valid, spec, tmp_path) == table  # finished runs are reused
     assert all((tmp_path / str(i) / "metrics.jsonl").read_text() == lines[i] for i in range(3))
+    with pytest.raises(ValueError, match="fields seed differ"):  # another seed is another run, never a cache hit
+        qat.ablation(cfg, corpus.train, valid, dataclasses.replace(spec, seed=1), tmp_path)
+    with pytest.raises(ValueError, match="fields config differ"):
+        qat.ablation(dataclasses.replace(cfg, sliding_window=32), corpus.train, valid, spec, tmp_path)
+    (tmp_path / "0" / longctx.RECIPE).unlink()
+    with pytest.raises(ValueError, match="no recipe.json"):
+        qat.ablation(cfg, corpus.train, valid, spec, tmp_path)
 
 
 def test_retrieval_gap_scores_one_model_under_both_numerics():
