@@ -21,14 +21,24 @@ stacked pytree per run of identical layers, `layers.i.…`) is refused with that
 in the structure of the caller's `*_like` pytrees (optax states are NamedTuples); a dtype or shape that differs from the
 saved one is refused, never cast, padded or truncated. Saves are synchronous: when `save` returns,
 the step is on disk.
+
+Damage is refused, never restored. `meta` holds a SHA-256 of every array leaf (`digests`, written by saves whose
+arrays are all addressable from this process, i.e. every single-process save); a restore checks each leaf it reads
+against it, so a flipped byte names its tensor instead of loading silently. A file that is missing, truncated or
+unreadable, or an item or metadata that cannot be parsed, is refused as one ValueError naming the checkpoint, the
+step and the item, with the steps that remain. Orbax writes a step into a temporary directory and renames it
+when complete, so a save killed halfway leaves the earlier steps as they were; restoring the latest step then
+skips the unfinished one and warns that it did.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -104,19 +114,57 @@ def _leaves(tree) -> dict:
             for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _restore_arrays(mngr: ocp.CheckpointManager, directory, step: int, likes: dict) -> dict:
-    """Restore the array items `likes` ({item: like pytree}) of `step`; any leaf, dtype or shape change is refused."""
-    metadata = mngr.item_metadata(step)
+def _digests(tree) -> dict | None:
+    """{orbax param name: SHA-256 of the leaf's bytes} of an array pytree; None unless every leaf is addressable
+    from this process (a multi-process save writes none)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not all(getattr(x, "is_fully_addressable", True) for _, x in leaves):
+        return None
+    return {".".join(ocp.tree.str_keypath(path)): hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes())
+            .hexdigest() for path, x in leaves}
+
+
+def _damaged(directory, step: int, what: str, err: Exception, mngr: ocp.CheckpointManager) -> ValueError:
+    """The error for a step whose files cannot be read or do not match their digests."""
+    others = [s for s in sorted(mngr.all_steps()) if s != step]
+    while err.__cause__ is not None:  # TensorStore's own message (e.g. OUT_OF_RANGE) is the innermost cause
+        err = err.__cause__
+    reason = str(err).strip().splitlines()[0].split(". See full TensorStore details")[0][:300] or type(err).__name__
+    fix = (f"restore another step (available: {others})" if others else "no other step remains") + \
+        ", or save it again from the run that wrote it"
+    return ValueError(f"checkpoint {directory} step {step}: {what} is damaged or incomplete ({reason}); {fix}")
+
+
+def _restore_arrays(mngr: ocp.CheckpointManager, directory, step: int, likes: dict, digests: dict) -> dict:
+    """Restore the array items `likes` ({item: like pytree}) of `step`; any leaf, dtype or shape change is refused,
+    and so is a leaf whose bytes differ from its digest in `digests` ({item: {name: sha256}}, empty for a
+    checkpoint written without them)."""
+    try:
+        metadata = mngr.item_metadata(step)
+        trees = {item: metadata[item].tree for item in likes}
+    except Exception as err:  # orbax and TensorStore raise many types for unreadable files
+        raise _damaged(directory, step, f"the metadata of {sorted(likes)}", err, mngr) from err
     for item, like in likes.items():
-        stored, wanted = _leaves(metadata[item].tree), _leaves(like)
+        stored, wanted = _leaves(trees[item]), _leaves(like)
         diffs = [f"{item}.{name} {stored.get(name, 'absent')} (checkpoint) vs {wanted.get(name, 'absent')} (requested)"
                  for name in sorted(stored.keys() | wanted.keys()) if stored.get(name) != wanted.get(name)]
         if diffs:
             more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""
             raise ValueError(f"checkpoint {directory} step {step}: the requested pytrees differ from the saved arrays: "
                              + ", ".join(diffs[:5]) + more + "; build them from the run's config and optimizer")
-    restored = mngr.restore(step, args=ocp.args.Composite(
-        **{item: ocp.args.StandardRestore(_abstract(like)) for item, like in likes.items()}))
+    try:
+        restored = mngr.restore(step, args=ocp.args.Composite(
+            **{item: ocp.args.StandardRestore(_abstract(like)) for item, like in likes.items()}))
+    except Exception as err:
+        raise _damaged(directory, step, f"an array file of {sorted(likes)}", err, mngr) from err
+    for item in likes:
+        want = (digests or {}).get(item) or {}
+        got = _digests(restored[item]) or {}
+        bad = [name for name, digest in got.items() if name in want and want[name] != digest]
+        if bad:
+            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            raise _damaged(directory, step, f"{item}", ValueError(
+                f"the bytes of {', '.join(bad[:5])}{more} differ from the SHA-256 saved with them"), mngr)
     # Orbax returns arrays committed to a device; fresh uncommitted copies keep jit cache keys equal
     # to a run that never stopped, so a resumed loop does not recompile its step.
     return {item: jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), restored[item]) for item in likes}
@@ -125,9 +173,14 @@ def _restore_arrays(mngr: ocp.CheckpointManager, directory, step: int, likes: di
 def _resolve_step(mngr: ocp.CheckpointManager, directory, step: int | None) -> int:
     """`step`, or the latest one; ValueError naming the directory when there is none."""
     steps = sorted(mngr.all_steps())
+    unfinished = sorted(n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n)
     if not steps:
-        raise ValueError(f"checkpoint directory {directory} holds no checkpoints; {_TRAIN_FIRST}")
+        left = f" (only the unfinished save {unfinished})" if unfinished else ""
+        raise ValueError(f"checkpoint directory {directory} holds no checkpoints{left}; {_TRAIN_FIRST}")
     if step is None:
+        if unfinished:
+            warnings.warn(f"checkpoint {directory}: ignoring the unfinished save {unfinished} (a save that was "
+                          f"killed); restoring step {steps[-1]}, the latest complete one", stacklevel=3)
         return steps[-1]
     if step not in steps:
         raise ValueError(f"checkpoint {directory} has no step {step}; available steps: {steps}")
@@ -142,7 +195,12 @@ def _require_dir(directory) -> None:
 
 def _meta(mngr: ocp.CheckpointManager, step: int) -> dict:
     """The JSON metadata item of `step`; a checkpoint of another parameter layout is refused."""
-    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    try:
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+            raise ValueError("it is not a JSON object with a config")
+    except Exception as err:
+        raise _damaged(mngr.directory, step, "the metadata item (meta)", err, mngr) from err
     layout = meta.get("layout", 1)
     if layout != LAYOUT:
         raise ValueError(f"checkpoint {mngr.directory} step {step}: parameters in layout {layout}, this csa2 reads "
@@ -245,9 +303,11 @@ def save(directory, step: int, *, params, cfg: ModelConfig, kind: str = BACKBONE
         if step in mngr.all_steps():
             mngr.delete(step)
         drafter = kind == DRAFTER_KIND  # only a drafter's meta names its kind and whether it has optimizer state
+        digests = {"params": _digests(params), "train": _digests(train)}
         meta = {"config": _config_to_json(cfg), "layout": LAYOUT, **({"kind": kind} if drafter else {}), "step": step,
                 "data_step": step if data_step is None else int(data_step),
-                **({"has_opt_state": opt_state is not None} if drafter else {}), "extra": extra_json}
+                **({"has_opt_state": opt_state is not None} if drafter else {}), "extra": extra_json,
+                **({"digests": digests} if None not in digests.values() else {})}
         mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                 train=ocp.args.StandardSave(train), meta=ocp.args.JsonSave(meta)))
         mngr.wait_until_finished()
@@ -264,10 +324,14 @@ def restore(directory, cfg: ModelConfig, *, params_like, opt_state_like, kind: s
         if not meta.get("has_opt_state", True):
             raise ValueError(f"checkpoint {directory} step {step}: the {kind} was saved without optimizer state, so "
                              "its training cannot resume; start a new run or use restore_params")
-        rng = mngr.item_metadata(step)["train"].tree["rng"]
+        try:
+            rng = mngr.item_metadata(step)["train"].tree["rng"]
+        except Exception as err:
+            raise _damaged(directory, step, "the metadata of ['train']", err, mngr) from err
         out = _restore_arrays(mngr, directory, step, {
             "params": params_like,
-            "train": {"opt_state": opt_state_like, "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype)}})
+            "train": {"opt_state": opt_state_like, "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype)}},
+            meta.get("digests"))
     return {"step": step, "params": out["params"], "opt_state": out["train"]["opt_state"],
             "data_step": meta["data_step"], "rng": out["train"]["rng"], "extra": meta["extra"]}
 
@@ -288,10 +352,10 @@ def restore_params(directory, cfg: ModelConfig | None = None, step: int | None =
     _require_dir(directory)
     like = None if cfg is None else _params_like(cfg, kind)  # a config without a drafter is refused before any read
     with _manager(directory) as mngr:
-        step, _, stored = _open(mngr, directory, step, kind, cfg)
+        step, meta, stored = _open(mngr, directory, step, kind, cfg)
         cfg = stored if cfg is None else cfg
         like = _params_like(cfg, kind) if like is None else like
-        params = _restore_arrays(mngr, directory, step, {"params": like})["params"]
+        params = _restore_arrays(mngr, directory, step, {"params": like}, meta.get("digests"))["params"]
     return cfg, params
 
 
