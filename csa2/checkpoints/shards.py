@@ -33,13 +33,43 @@ DTYPES: dict[str, np.dtype] = {
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
+_FIX = "the file is damaged or was not written completely: copy or convert it again"
+
+
 def _header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and where its data starts; every entry's dtype, shape and byte range
+    checked against the header and the file's size."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such safetensors file; copy the whole checkpoint directory (its index names it)")
+    size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
         (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
+        if n > size - 8:
+            raise ValueError(f"{path}: the header claims {n} bytes, the file holds {size - 8} after the length; {_FIX}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: the header is not JSON ({err}); {_FIX}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object; {_FIX}")
+    data = size - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+              and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+              and all(isinstance(o, int) for o in entry["data_offsets"]))
+        if not ok:
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {entry!r} (needs dtype, shape "
+                             f"and data_offsets [begin, end]); {_FIX}")
+        begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end <= data:
+            raise ValueError(f"{path}: tensor {name!r} claims bytes [{begin}, {end}) of a {data}-byte data section; "
+                             f"{_FIX}")
     return header, 8 + n
 
 
@@ -54,8 +84,14 @@ class Shards:
         self.directory = Path(directory)
         index = self.directory / INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+                if not all(isinstance(f, str) and f == Path(f).name for f in files):
+                    raise TypeError(f"shard names must be file names in the directory, got {files[:3]}")
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map of tensor → file "
+                                 f"names: {type(err).__name__} {err}); copy or convert the checkpoint again") from None
         elif (self.directory / SINGLE).exists():
             files, weight_map = [SINGLE], None
         else:
