@@ -103,13 +103,18 @@ class Trainee:
     log_every: int = 1  # steps between logged records (the last step is always logged)
 
 
+class NonFiniteLoss(ValueError):
+    """Training produced a NaN or infinite loss; nothing after the last good checkpoint was saved."""
+
+
 def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: bool = False,
         log: Callable[[str], None] = print, bar: bool = True, save_every: int = 0,
         until: int | None = None) -> TrainState:
     """Train up to step `until` (default `trainee.steps`) of the schedule, from the latest checkpoint in `out`
     when `resume`; then save, write metrics.jsonl and the trainee's figure. `log` takes each logged step's record
     as a JSON line; `bar` draws a progress bar on stderr. A directory holding checkpoints of another kind or
-    config is refused before any step runs."""
+    config is refused before any step runs. A non-finite loss at a logged or saved step raises `NonFiniteLoss`
+    before anything is saved, so the last checkpoint on disk stays the last good one."""
     out = pathlib.Path(out)
     checkpoint.check_dir(out, cfg, trainee.kind)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,6 +137,7 @@ def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: 
         log(f"nothing to do: the {trainee.kind} checkpoint in {out} is at step {first} ≥ {last}")
     compiled = time.perf_counter()
     work = 0  # done since the first (compiling) step
+    saved = first if resume else None  # the last step on disk that this run may fall back to
     for step in range(first, last):
         batch = next(stream)
         state, metrics = trainee.step(state, batch, step)
@@ -141,7 +147,18 @@ def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: 
             compiled = time.perf_counter()
         else:
             work += trainee.work(batch)
-        if done % trainee.log_every == 0 or done == last:
+        logged = done % trainee.log_every == 0 or done == last
+        saving = save_every and done % save_every == 0 and done < last
+        if logged or saving:
+            loss = float(np.asarray(metrics["loss"]))
+            if not math.isfinite(loss):
+                metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+                raise NonFiniteLoss(f"{trainee.kind} training stopped at step {done}: the loss is {loss}. Nothing "
+                                    "was saved after it; " + (f"the checkpoint at step {saved} in {out} is the last "
+                                                              "good one (resume from it with a lower learning rate)"
+                                                              if saved is not None else "no checkpoint was written")
+                                    + "; metrics.jsonl holds the steps before")
+        if logged:
             record = {"step": done, **host(metrics)}
             elapsed = time.perf_counter() - compiled
             record[trainee.rate] = work / elapsed if step > first else 0.0
@@ -150,8 +167,9 @@ def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: 
             if bar:
                 progress(done, last, trainee.summary(record),
                          elapsed / (step - first) * (last - done) if step > first else float("nan"))
-        if save_every and done % save_every == 0 and done < last:
+        if saving:
             _save(out, cfg, trainee, state)
+            saved = done
     if bar:
         sys.stderr.write("\n")
     _save(out, cfg, trainee, state)
