@@ -47,7 +47,11 @@ def _prompts(args) -> list[str]:
 
     texts = list(args.prompt)
     if args.batch_file is not None:
-        data = args.batch_file.read_bytes()
+        try:
+            data = args.batch_file.read_bytes()
+        except OSError as err:
+            raise CliError(f"--batch-file {args.batch_file}: {err.strerror.lower()}; pass a UTF-8 text file, one "
+                           "prompt per line") from None
         for lineno, line in enumerate(data.split(b"\n"), start=1):
             line = line.removesuffix(b"\r")
             if line:

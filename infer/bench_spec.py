@@ -194,6 +194,9 @@ def acceptance(cfg: ModelConfig, params, n_prompts: int, prompt_len: int, new_to
 def load(checkpoint_dir: str, drafter_dir: str | None) -> tuple[ModelConfig, object]:
     """The backbone of `checkpoint_dir` with the adapted drafter of `drafter_dir` (default: `<checkpoint>/dspark`), in
     the drafter's config (its stage count may differ from the backbone's)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"--checkpoint {checkpoint_dir}: no such directory; pass the --out directory of python -m "
+                         "train (e.g. runs/demo after make demo)")
     return checkpoint.restore_with_drafter(checkpoint_dir, drafter_dir or os.path.join(checkpoint_dir, "dspark"))
 
 
