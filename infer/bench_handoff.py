@@ -9,8 +9,9 @@ port. Per trial the decode worker sends a go message with the prompt length and 
 clock, from the go to the end of its first decode step: the prefill (chunks of `--chunk` tokens), the Global
 blocks and row state over the socket, the ready barrier and install (`infer.handoff.receive`) and one
 `decode_step` from the package's first token. The prefill worker reports when its last chunk's logits were ready
-(`prefill_computed_s`, from the go); the rest is `after_compute_s`, the part of the handoff the prefill does not
-hide. With overlap (`infer.pd.prefill_and_ship`) each chunk's completed Global entries are shipped while the next
+(`prefill_computed_s`, from the start of `prefill_and_ship`, which it calls on the go); the rest is
+`after_compute_s`, the part of the handoff the prefill does not hide (with overlap, the earlier blocks are shipped
+before the last chunk is ready, so they count as prefill). With overlap (`infer.pd.prefill_and_ship`) each chunk's completed Global entries are shipped while the next
 chunk computes; without, the package is cut after the last chunk. The modes alternate, each prompt length's first
 trial of each mode compiles and is dropped, and every figure is a mean over `--repeats` trials with a 95 %
 bootstrap interval, the overlap's gains as paired differences (serial − overlap, trial by trial). Also printed:
@@ -33,22 +34,9 @@ import numpy as np
 
 from csa2 import compile_cache, model
 from csa2.presets import preset
-from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state, kv_bytes_per_token
 from infer import handoff, pd, stats, wire
 from infer.bench_model import machine_info
-
-
-def _prompt(cfg, length: int) -> np.ndarray:
-    return np.random.default_rng(length).integers(0, min(cfg.vocab_size, 256), length).astype(np.int32)
-
-
-def _capacity(length: int) -> int:
-    return 1 << length.bit_length()  # a power of two above the prompt: room for the decode
-
-
-def _replay(args) -> ReplayPolicy:
-    return EXACT if args.exact else ReplayPolicy(window=args.replay_window)
 
 
 def run_prefill_worker(args) -> None:
@@ -59,9 +47,11 @@ def run_prefill_worker(args) -> None:
         while (go := wire.recv_message(sock)) is not None:
             trial = json.loads(go)
             t0 = time.perf_counter()
-            info = pd.prefill_and_ship(cfg, params, [_prompt(cfg, trial["length"])],
-                                       capacity=_capacity(trial["length"]), chunk=args.chunk, replay=_replay(args),
-                                       cache_format=args.cache_format, overlap=trial["overlap"],
+            length = trial["length"]
+            info = pd.prefill_and_ship(cfg, params, [pd.random_prompt(cfg, length, length)],
+                                       capacity=pd.capacity_for(length + 1), chunk=args.chunk,
+                                       replay=pd.replay_policy(args), cache_format=args.cache_format,
+                                       overlap=trial["overlap"],
                                        ship=lambda part: wire.send_message(sock, wire.encode_part(part)))
             wire.send_message(sock, json.dumps({"prefill_and_ship_s": time.perf_counter() - t0,
                                                 "computed_s": info["computed_s"],
@@ -71,12 +61,13 @@ def run_prefill_worker(args) -> None:
 def _trial(cfg, params, conn, length: int, overlap: bool, args) -> dict:
     t0 = time.perf_counter()
     wire.send_message(conn, json.dumps({"length": length, "overlap": overlap}).encode())
-    package = pd.collect(lambda: wire.decode_part(wire.recv_message(conn)))
+    package = pd.collect(pd.receive_parts(conn), max_bytes=pd.bound(cfg, 1, pd.capacity_for(length + 1),
+                                                                     args.cache_format))
     t_arrived = time.perf_counter()
-    state = handoff.receive(cfg, package, init_state(cfg, 1, _capacity(length), args.cache_format), [0])
+    state = handoff.receive(cfg, package, init_state(cfg, 1, pd.capacity_for(length + 1), args.cache_format), [0])
     jax.block_until_ready(state)
     t_ready = time.perf_counter()
-    logits, _ = model.decode_step(cfg, params, state, jnp.asarray(package.first, jnp.int32))
+    logits, _ = model.decode_step(cfg, params, state, jnp.asarray(package.first_tokens, jnp.int32))
     jax.block_until_ready(logits)
     t_decoded = time.perf_counter()
     sender = json.loads(wire.recv_message(conn))

@@ -75,7 +75,7 @@ class Package:
         return self.parts[-1]
 
     @property
-    def first(self) -> np.ndarray:
+    def first_tokens(self) -> np.ndarray:
         """The token each row's prefill sampled at position `length` (`NO_TOKEN` if none) [n]."""
         return np.asarray(self.final.meta["first"], np.int32)
 
@@ -132,14 +132,13 @@ def global_part(cfg: ModelConfig, slices, lo: np.ndarray, hi: np.ndarray, at: np
     """A `"global"` part from `global_slices`'s output: per stack, rows' entries `[lo, hi)` back to back
     `[G, Σ (hi − lo), ·]`, read when the rows had lengths `at`."""
     starts, stacks = slices
-    fmt = _format_of(stacks[0].kv) if stacks else "float"
+    stacks = jax.device_get(stacks)  # one transfer for every stack and leaf
     arrays = {}
     for k, g in enumerate(stacks):
-        for path, leaf in _named(g):
-            host = np.asarray(leaf)  # [n, G, size, ·]
+        for path, host in _named(g):  # [n, G, size, ·]
             pieces = [host[i, :, lo[i, k] - starts[i, k]:hi[i, k] - starts[i, k]] for i in range(host.shape[0])]
             arrays[f"global[{k}]{path}"] = np.ascontiguousarray(np.concatenate(pieces, axis=1))
-    meta = _identity(cfg, fmt, len(at)) | {
+    meta = _identity(cfg, _format_of(stacks[0].kv), len(at)) | {
         "at": [int(x) for x in at],
         "ranges": [[[int(lo[i, k]), int(hi[i, k])] for i in range(len(at))] for k in range(len(stacks))]}
     return Part("global", meta, arrays)
@@ -162,7 +161,8 @@ def state_part(cfg: ModelConfig, state: State, rows: np.ndarray, *, since: np.nd
 
 def receive(cfg: ModelConfig, package: Package, state: State, rows: Sequence[int]) -> State:
     """`state` with the package's rows installed in batch slots `rows` (any capacity that holds them): refuses
-    (ValueError) any package that is not complete and at one boundary, or not for this config and cache format."""
+    (ValueError) any package that is not complete and at one boundary, or not for this config and cache format,
+    before it touches `state`. `state` is donated once the package passes: keep the returned state."""
     rows = _slots("rows", rows, state.batch)
     if not isinstance(package, Package) or not package.parts or any(not isinstance(p, Part) for p in package.parts):
         raise ValueError(f"receive: package={type(package).__name__}: pass an infer.handoff.Package of Parts "
@@ -230,8 +230,9 @@ def _check_global_part(cfg: ModelConfig, part: Part, state: State, n: int) -> Pa
     _check_identity(cfg, part, "global", _format_of(state.swa), n)
     meta, stacks, ratios = part.meta, kv_stacks(cfg), stack_ratios(cfg)
     at, ranges = meta.get("at"), meta.get("ranges")
-    if not _int_list(at, n):
-        raise ValueError(f"receive: global part meta['at']={at!r}: expected {n} row lengths")
+    cap = capacity(cfg, state)
+    if not _int_list(at, n) or not all(0 <= a <= cap for a in at):
+        raise ValueError(f"receive: global part meta['at']={at!r}: expected {n} row lengths in [0, {cap}]")
     if not (isinstance(ranges, list) and len(ranges) == len(stacks) and all(
             isinstance(r, list) and len(r) == n and all(_int_list(x, 2) for x in r) for r in ranges)):
         raise ValueError(f"receive: global part meta['ranges']={ranges!r}: expected, per stack ({len(stacks)}) and "
@@ -243,7 +244,7 @@ def _check_global_part(cfg: ModelConfig, part: Part, state: State, n: int) -> Pa
             template[f"global[{k}]{path}"] = jax.ShapeDtypeStruct((leaf.shape[1], max(count, 0), leaf.shape[3]),
                                                                   leaf.dtype)
         for i, (lo, hi) in enumerate(ranges[k]):
-            if not 0 <= lo <= hi <= at[i] // ratios[k] or hi > g.kv.rows:
+            if not 0 <= lo <= hi <= at[i] // int(ratios[k]) or hi > g.kv.rows:
                 raise ValueError(f"receive: global part stack {k} row {i} holds entries [{lo}, {hi}) read at length "
                                  f"{at[i]}: an entry must be complete when shipped (hi ≤ {at[i]} // {ratios[k]}) "
                                  f"and fit the receiving state ({g.kv.rows} entries)")
@@ -264,12 +265,8 @@ def _check_tiling(cfg: ModelConfig, blocks: list[Part], length: np.ndarray, sinc
             want = [int(since[i]) // r, int(length[i]) // r]
             spans = sorted(tuple(p.meta["ranges"][k][i]) for p in blocks if p.meta["ranges"][k][i][0] <
                            p.meta["ranges"][k][i][1])
-            edge = want[0]
-            for lo, hi in spans:
-                if lo != edge:
-                    break
-                edge = hi
-            if edge != want[1] or (spans and spans[0][0] != want[0]) or len(spans) != len(set(spans)):
+            edges = [want[0]] + [hi for _, hi in spans]  # each span starts where the previous one ended
+            if [lo for lo, _ in spans] != edges[:-1] or edges[-1] != want[1]:
                 raise ValueError(f"receive: row {i} stack {k} (ratio {r}) needs Global entries [{want[0]}, {want[1]}) "
                                  f"(since={int(since[i])}, length={int(length[i])}); the blocks hold {spans}. Wait "
                                  "for every block before the row state, and never ship an incomplete group")
@@ -384,8 +381,9 @@ def _check_identity(cfg: ModelConfig, part: Part, kind: str, cache_format: str, 
         raise ValueError(f"receive: {kind} part meta is a {type(part.meta).__name__}; expected a dict")
     want = _identity(cfg, cache_format, n)
     for key, value in want.items():
-        if part.meta.get(key) != value:
-            raise ValueError(f"receive: {kind} part meta[{key!r}]={part.meta.get(key)!r}, this receiver expects "
+        got = part.meta.get(key)
+        if type(got) is not type(value) or got != value:
+            raise ValueError(f"receive: {kind} part meta[{key!r}]={got!r}, this receiver expects "
                              f"{value!r}; hand off between workers of one model (config), cache format and protocol "
                              "version, and receive as many slots as the package has rows")
 
@@ -393,7 +391,7 @@ def _check_identity(cfg: ModelConfig, part: Part, kind: str, cache_format: str, 
 def _check_arrays(part: Part, template: dict) -> None:
     """Exactly the template's names, each with its shape and dtype."""
     if not isinstance(part.arrays, dict) or set(part.arrays) != set(template):
-        got = sorted(part.arrays) if isinstance(part.arrays, dict) else type(part.arrays).__name__
+        got = sorted(map(str, part.arrays)) if isinstance(part.arrays, dict) else type(part.arrays).__name__
         raise ValueError(f"receive: {part.kind} part arrays {got}; expected {sorted(template)}")
     for name, want in template.items():
         a = part.arrays[name]
@@ -443,25 +441,31 @@ def _format_of(stored: Stored) -> str:
 def _digest(global_kv, rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     """A checksum per row and stack of the entries `[0, counts[i, k])` of slot `rows[i]`: what a receiver compares
     to be sure it holds the prefix a package was cut against (independent of the state's capacity)."""
-    sums = _checksum(global_kv, jnp.asarray(rows, jnp.int32), jnp.asarray(counts, jnp.int32))
-    return np.asarray(sums).astype(np.int64).tolist()
+    lanes = np.asarray(_checksum(global_kv, jnp.asarray(rows, jnp.int32), jnp.asarray(counts, jnp.int32)))
+    return ((lanes[..., 0].astype(np.uint64) << np.uint64(32)) | lanes[..., 1].astype(np.uint64)).tolist()
 
 
 @jax.jit
 def _checksum(global_kv, rows, counts):
+    """Two 32-bit lanes per row and stack: each element's bits, multiplied by an odd weight of its place (a
+    bijection, so no bit is lost) and mixed (xor-shift, multiply), summed modulo 2³²."""
     out = []
     for k, g in enumerate(global_kv):
-        total = jnp.zeros(rows.shape, jnp.uint32)
-        for salt, leaf in enumerate(jax.tree.leaves(g), start=1):
-            a = leaf[rows]  # [n, G, N, w]
-            bits = jax.lax.bitcast_convert_type(a, jnp.uint32) if a.dtype == jnp.float32 else a.astype(jnp.uint32)
-            _, groups, _, w = a.shape
-            e = jnp.arange(a.shape[2], dtype=jnp.uint32)[None, None, :, None]
-            idx = (e * groups + jnp.arange(groups, dtype=jnp.uint32)[None, :, None, None]) * w + jnp.arange(
-                w, dtype=jnp.uint32)
-            weight = (idx + jnp.uint32(1)) * jnp.uint32(2654435761) + jnp.uint32(salt)
-            keep = e < counts[:, k].astype(jnp.uint32)[:, None, None, None]
-            total = total * jnp.uint32(31) + jnp.sum(jnp.where(keep, bits * weight, 0), axis=(1, 2, 3),
-                                                     dtype=jnp.uint32)
-        out.append(total)
-    return jnp.stack(out, axis=1)
+        lanes = []
+        for constant, mix in ((0x9E3779B1, 0x85EBCA6B), (0xC2B2AE35, 0x27D4EB2F)):
+            total = jnp.zeros(rows.shape, jnp.uint32)
+            for salt, leaf in enumerate(jax.tree.leaves(g), start=1):
+                a = leaf[rows]  # [n, G, N, w]
+                bits = jax.lax.bitcast_convert_type(a, jnp.uint32) if a.dtype == jnp.float32 else a.astype(jnp.uint32)
+                _, groups, _, w = a.shape
+                e = jnp.arange(a.shape[2], dtype=jnp.uint32)[None, None, :, None]
+                idx = (e * groups + jnp.arange(groups, dtype=jnp.uint32)[None, :, None, None]) * w + jnp.arange(
+                    w, dtype=jnp.uint32)
+                h = (bits + jnp.uint32(salt)) * ((idx * jnp.uint32(2) + jnp.uint32(1)) * jnp.uint32(constant))
+                h = (h ^ (h >> 15)) * jnp.uint32(mix)
+                h = h ^ (h >> 13)
+                keep = e < counts[:, k].astype(jnp.uint32)[:, None, None, None]
+                total = total * jnp.uint32(31) + jnp.sum(jnp.where(keep, h, 0), axis=(1, 2, 3), dtype=jnp.uint32)
+            lanes.append(total)
+        out.append(jnp.stack(lanes, -1))
+    return jnp.stack(out, axis=1)  # [n, stacks, 2]

@@ -33,11 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import compile_cache, model
+from csa2.checks import is_int
 from csa2.config import ModelConfig
 from csa2.replay import EXACT, Extend, ReplayPolicy
 from csa2.state import init_state
 from infer import handoff, wire
 from infer.handoff import Package, Part
+from infer.values import pow2
 
 Array = jax.Array
 
@@ -61,8 +63,8 @@ def prefill_and_ship(cfg: ModelConfig, params, prompts: Sequence, *, capacity: i
     ratios = handoff.stack_ratios(cfg)
     extend = Extend.cold(jnp.asarray(lengths, jnp.int32))
     state = init_state(cfg, n, capacity, cache_format)
-    last = None
-    pending, shipped = [], {"parts": 0, "bytes": 0}
+    last, previous = None, None
+    shipped = {"parts": 0, "bytes": 0}
 
     def send(part: Part) -> None:
         ship(part)
@@ -79,15 +81,15 @@ def prefill_and_ship(cfg: ModelConfig, params, prompts: Sequence, *, capacity: i
         last = logits if last is None else jnp.where(ends[:, None], logits, last)
         if overlap:
             lo, hi = before[:, None] // ratios[None], after[:, None] // ratios[None]
-            pending.append((handoff.global_slices(state, rows, lo, hi), lo, hi, after))
-            while len(pending) > 1:  # the previous chunk's blocks, while this one computes
-                send(handoff.global_part(cfg, *pending.pop(0)))
+            current = (handoff.global_slices(state, rows, lo, hi), lo, hi, after)  # before the next chunk donates
+            if previous is not None:  # the previous chunk's blocks, while this one computes
+                send(handoff.global_part(cfg, *previous))
+            previous = current
     jax.block_until_ready(last)
     computed = time.perf_counter() - t0
     first = np.asarray(jnp.argmax(last, -1), np.int64) if draw_first else None
     if overlap:
-        for item in pending:
-            send(handoff.global_part(cfg, *item))
+        send(handoff.global_part(cfg, *previous))
         send(handoff.state_part(cfg, state, rows, since=np.zeros(n, np.int64),
                                 first=np.full(n, handoff.NO_TOKEN) if first is None else first))
     else:
@@ -96,27 +98,51 @@ def prefill_and_ship(cfg: ModelConfig, params, prompts: Sequence, *, capacity: i
     return {"first": first, "computed_s": computed, **shipped}
 
 
-def collect(recv: Callable[[], Part | None]) -> Package:
-    """The package of the parts `recv` returns, up to and including the row state (the last part)."""
-    parts = []
+def collect(recv: Callable[[], Part | None], *, max_bytes: int, max_parts: int = 1 << 16) -> Package:
+    """The package of the parts `recv` returns (None: the sender closed), up to and including the row state (the
+    last part); refused once it holds more than `max_bytes` of arrays or `max_parts` parts (a bound from
+    `handoff.package_bytes` for the rows and capacity the receiver has)."""
+    parts, total = [], 0
     while True:
         part = recv()
         if part is None:
             raise ValueError(f"collect: the sender stopped after {len(parts)} parts, before the row state; the "
                              "handoff is incomplete")
         parts.append(part)
+        total += part.nbytes
+        if total > max_bytes or len(parts) > max_parts:
+            raise ValueError(f"collect: {len(parts)} parts of {total} bytes exceed max_bytes={max_bytes} or "
+                             f"max_parts={max_parts}; the sender is not handing off a request this receiver can hold")
         if part.kind == "state":
             return Package(tuple(parts))
 
 
+def receive_parts(conn: socket.socket) -> Callable[[], Part | None]:
+    """`recv` for `collect`: the next part on `conn`, None once the sender has closed it."""
+    def recv() -> Part | None:
+        message = wire.recv_message(conn)
+        return None if message is None else wire.decode_part(message)
+    return recv
+
+
+def bound(cfg: ModelConfig, rows: int, capacity: int, cache_format: str) -> int:
+    """The most array bytes a package of `rows` rows can hold in a state of `capacity` tokens."""
+    return rows * handoff.package_bytes(cfg, capacity, cache_format)["total"]
+
+
 def decode(cfg: ModelConfig, params, package: Package, *, capacity: int, cache_format: str,
-           new_tokens: int) -> np.ndarray:
-    """Greedy continuation of a received package: its first token, then `new_tokens − 1` decode steps [n, new]."""
-    n = len(package.first)
-    if (package.first == handoff.NO_TOKEN).any():
+           new_tokens: int, max_rows: int = 64) -> np.ndarray:
+    """Greedy continuation of a received package: its first tokens, then `new_tokens − 1` decode steps [n, new].
+    The package passes the barrier (`handoff.receive`) before anything of it is used; a package of more than
+    `max_rows` rows is refused before a state is allocated for it."""
+    rows = package.final.meta.get("rows") if isinstance(package.final.meta, dict) else None
+    if not is_int(rows) or not 1 <= rows <= max_rows:
+        raise ValueError(f"decode: the package has rows={rows!r}; this worker takes 1 … max_rows={max_rows}")
+    state = handoff.receive(cfg, package, init_state(cfg, rows, capacity, cache_format), list(range(rows)))
+    first = package.first_tokens
+    if (first == handoff.NO_TOKEN).any():
         raise ValueError("decode: the package carries no first token; the prefill worker must draw it (draw_first)")
-    state = handoff.receive(cfg, package, init_state(cfg, n, capacity, cache_format), list(range(n)))
-    token, out = jnp.asarray(package.first, jnp.int32), [package.first]
+    token, out = jnp.asarray(first, jnp.int32), [first]
     for _ in range(new_tokens - 1):
         logits, state = model.decode_step(cfg, params, state, token)
         token = jnp.argmax(logits, -1).astype(jnp.int32)
@@ -127,8 +153,19 @@ def decode(cfg: ModelConfig, params, package: Package, *, capacity: int, cache_f
 # ---------------------------------------------------------------------------------------------
 # Two processes
 
-def _prompt(cfg: ModelConfig, length: int, seed: int) -> np.ndarray:
+def random_prompt(cfg: ModelConfig, length: int, seed: int) -> np.ndarray:
+    """`length` random byte tokens: the prompt of the two-process runs and the benchmark."""
     return np.random.default_rng(seed).integers(0, min(cfg.vocab_size, 256), length).astype(np.int32)
+
+
+def replay_policy(args) -> ReplayPolicy:
+    """The replay policy of `--exact` / `--replay-window R`."""
+    return EXACT if args.exact else ReplayPolicy(window=args.replay_window)
+
+
+def capacity_for(tokens: int) -> int:
+    """The state capacity of a run that holds `tokens` tokens: the power of two at or above."""
+    return pow2(tokens)
 
 
 def _setup(args):
@@ -137,20 +174,16 @@ def _setup(args):
     return cfg, model.init_params(cfg, jax.random.PRNGKey(args.init_seed))
 
 
-def _replay(args) -> ReplayPolicy:
-    return EXACT if args.exact else ReplayPolicy(window=args.replay_window)
-
-
 def _capacity(args) -> int:
-    return 1 << (args.prompt_len + args.new_tokens - 1).bit_length()
+    return capacity_for(args.prompt_len + args.new_tokens)
 
 
 def run_prefill_worker(args) -> None:
     """Connect to the decode worker, prefill, ship every part."""
     cfg, params = _setup(args)
     with socket.create_connection((args.host, args.port)) as sock:
-        info = prefill_and_ship(cfg, params, [_prompt(cfg, args.prompt_len, args.seed)], capacity=_capacity(args),
-                                chunk=args.chunk, replay=_replay(args), cache_format=args.cache_format,
+        info = prefill_and_ship(cfg, params, [random_prompt(cfg, args.prompt_len, args.seed)], capacity=_capacity(args),
+                                chunk=args.chunk, replay=replay_policy(args), cache_format=args.cache_format,
                                 overlap=not args.no_overlap,
                                 ship=lambda part: wire.send_message(sock, wire.encode_part(part)))
     print(json.dumps({"parts": info["parts"], "bytes": info["bytes"]}))
@@ -165,12 +198,13 @@ def run_decode_worker(args) -> None:
     argv = [sys.executable, "-m", "infer.pd", "--role", "prefill", "--port", str(port), *_shared(args)]
     worker = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     # The reference runs while the prefill worker starts and prefills (its blocks wait in the socket's buffer).
-    reference = generate(cfg, params, [_prompt(cfg, args.prompt_len, args.seed)], max_new_tokens=args.new_tokens,
-                         eos_id=None, replay=_replay(args), cache_format=args.cache_format).tokens
+    reference = generate(cfg, params, [random_prompt(cfg, args.prompt_len, args.seed)], max_new_tokens=args.new_tokens,
+                         eos_id=None, replay=replay_policy(args), cache_format=args.cache_format).tokens
+    server.settimeout(600)  # the prefill worker connects once it has started; it never takes this long
     with server:
         conn, _ = server.accept()
     with conn:
-        package = collect(lambda: None if (m := wire.recv_message(conn)) is None else wire.decode_part(m))
+        package = collect(receive_parts(conn), max_bytes=bound(cfg, 1, _capacity(args), args.cache_format))
     tokens = decode(cfg, params, package, capacity=_capacity(args), cache_format=args.cache_format,
                     new_tokens=args.new_tokens)
     sent = json.loads(worker.communicate(timeout=600)[0].strip().splitlines()[-1])

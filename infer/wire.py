@@ -43,8 +43,9 @@ def encode_part(part: Part) -> bytes:
                                                               for _, a in arrays)])
 
 
-def decode_part(message: bytes) -> Part:
-    """The `Part` in `message`; ValueError for anything that is not a well-formed message."""
+def decode_part(message: bytes | bytearray) -> Part:
+    """The `Part` in `message`; ValueError for anything that is not a well-formed message. Its arrays are views
+    of `message` (little-endian hosts), so the message is held once."""
     view = memoryview(message)
     if len(view) < len(MAGIC) + _LEN.size or bytes(view[:len(MAGIC)]) != MAGIC:
         raise ValueError(f"decode_part: the message does not start with {MAGIC!r}; it is not a handoff part")
@@ -55,8 +56,8 @@ def decode_part(message: bytes) -> Part:
                          f"or {MAX_HEADER}")
     try:
         header = json.loads(bytes(view[start:start + size]).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"decode_part: the header is not UTF-8 JSON ({err})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"decode_part: the header is not UTF-8 JSON ({type(err).__name__}: {err})") from None
     if not (isinstance(header, dict) and set(header) == {"kind", "meta", "arrays"}
             and isinstance(header["kind"], str) and isinstance(header["meta"], dict)
             and isinstance(header["arrays"], list)):
@@ -75,8 +76,8 @@ def decode_part(message: bytes) -> Part:
         if nbytes > len(view) - offset:
             raise ValueError(f"decode_part: array {spec['name']!r} {spec['shape']} needs {nbytes} bytes, the message "
                              f"has {len(view) - offset} left")
-        flat = np.frombuffer(view[offset:offset + nbytes], dtype=dtype)
-        arrays[spec["name"]] = flat.astype(dtype.newbyteorder("="), copy=True).reshape(spec["shape"])
+        flat = np.frombuffer(view[offset:offset + nbytes], dtype=dtype)  # a view of the message, not a copy
+        arrays[spec["name"]] = flat.astype(dtype.newbyteorder("="), copy=False).reshape(spec["shape"])
         offset += nbytes
     if offset != len(view):
         raise ValueError(f"decode_part: {len(view) - offset} bytes follow the last array; the message is corrupt")
@@ -88,8 +89,7 @@ def decode_part(message: bytes) -> Part:
 
 def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
     """A listening TCP socket (loopback by default; port 0 = any free port, read it from `.getsockname()`)."""
-    server = socket.create_server((host, port))
-    return server
+    return socket.create_server((host, port))
 
 
 def send_message(sock: socket.socket, message: bytes) -> None:
@@ -97,7 +97,7 @@ def send_message(sock: socket.socket, message: bytes) -> None:
     sock.sendall(message)
 
 
-def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytes | None:
+def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytearray | None:
     """The next message, or None when the peer closed the connection between messages."""
     head = _recv_exactly(sock, _LEN.size, allow_eof=True)
     if head is None:
@@ -109,14 +109,14 @@ def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytes | None:
     return _recv_exactly(sock, size, allow_eof=False)
 
 
-def _recv_exactly(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if allow_eof and got == 0:
+def _recv_exactly(sock: socket.socket, n: int, allow_eof: bool) -> bytearray | None:
+    """`n` bytes, the buffer grown as they arrive (a length alone allocates nothing)."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 22))
+        if not chunk:
+            if allow_eof and not buf:
                 return None
-            raise ValueError(f"recv_message: the peer closed the connection after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
+            raise ValueError(f"recv_message: the peer closed the connection after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf

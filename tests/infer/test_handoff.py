@@ -106,7 +106,7 @@ def test_decode_after_receive_is_bitwise_the_senders(mini_params, fmt, replay, l
     want = sum(handoff.package_bytes(MINI, n, fmt, s)["global"] for n, s in zip(lengths, since))
     assert package.parts[0].nbytes == want
     assert package.final.nbytes == B * handoff.package_bytes(MINI, 1, fmt)["state"]
-    np.testing.assert_array_equal(package.first, first)
+    np.testing.assert_array_equal(package.first_tokens, first)
     got = handoff.receive(MINI, package, receiver, slots)
     anchor = jnp.asarray(first, jnp.int32)
     _assert_bitwise(_speculate(mini_params, sender, anchor),
@@ -134,7 +134,7 @@ def test_mutant_package_without_the_compressor_tail_is_caught(mini_params):
     arrays = dict(final.arrays, **{k: np.zeros_like(v) for k, v in final.arrays.items() if k.startswith(".tails[0]")})
     mutant = Package((*package.parts[:-1], dataclasses.replace(final, arrays=arrays)))
     got = handoff.receive(MINI, mutant, init_state(MINI, B, CAP), [0, 1])
-    anchor = jnp.asarray(package.first, jnp.int32)
+    anchor = jnp.asarray(package.first_tokens, jnp.int32)
     # the tail is read when the next group completes: position 37 (row 0) and 21 (row 1) finish their pairs
     a, _ = model.decode_step(MINI, mini_params, keep(sender), anchor)
     b, _ = model.decode_step(MINI, mini_params, got, anchor)
@@ -196,6 +196,13 @@ def _grow_block(p):
                     p.final))
 
 
+def _overlap(block: Part) -> Part:
+    """A second block holding row 0's ratio-2 entry 17 again (zeros), which the first block already holds."""
+    ranges = [[[17, 18], [0, 0]], [[0, 0], [0, 0]]]
+    arrays = {k: np.zeros_like(v[:, :1 if k.startswith("global[0]") else 0]) for k, v in block.arrays.items()}
+    return dataclasses.replace(block, meta=block.meta | {"ranges": ranges}, arrays=arrays)
+
+
 def _final(p: Package, meta=None, **arrays) -> Package:
     """`p` with its row state's metadata and arrays updated."""
     return Package((*p.parts[:-1], _with(p.final, meta, **arrays)))
@@ -234,6 +241,10 @@ CORRUPTIONS = {
     "NaN in a tail": (lambda p: _array(p, ".tails[0].gate", (0, 0, 0, 0), np.nan), "non-finite"),
     "since beyond the blocks": (lambda p: _final(p, {"since": [10, 0], "digest": [[1, 2], [0, 0]]}),
                                 "needs Global entries"),
+    "overlapping block": (lambda p: Package((p.parts[0], _overlap(p.parts[0]), p.final)), "needs Global entries"),
+    "length beyond any state": (lambda p: Package((_with(p.parts[0], {"at": [10**20, 20]}), p.final)),
+                                "meta\\['at'\\]"),
+    "rows as a float": (lambda p: _final(p, {"rows": 2.0}), "meta\\['rows'\\]=2.0"),
 }
 
 
@@ -256,7 +267,13 @@ def test_ready_barrier_refuses_since_when_the_slot_lacks_the_prefix(sent):
     package = handoff.package(MINI, sender, [0, 1], since=[10, 0])
     with pytest.raises(ValueError, match="do not hold the sender's Global entries"):
         handoff.receive(MINI, package, init_state(MINI, B, CAP), [0, 1])
-    handoff.receive(MINI, package, _hold_prefix(init_state(MINI, B, CAP), sender, [0, 1], [10, 0]), [0, 1])
+    held = _hold_prefix(init_state(MINI, B, CAP), sender, [0, 1], [10, 0])
+    kv = held.global_kv[0].kv
+    kv = dataclasses.replace(kv, payload=kv.payload.at[0, 0, 0, 0].set(kv.payload[0, 0, 0, 0] ^ 0x80))
+    flipped = held.replace(global_kv=(held.global_kv[0].replace(kv=kv), *held.global_kv[1:]))
+    with pytest.raises(ValueError, match="do not hold the sender's Global entries"):  # one bit of the prefix differs
+        handoff.receive(MINI, package, flipped, [0, 1])
+    handoff.receive(MINI, package, held, [0, 1])
 
 
 def test_ready_barrier_refuses_another_cache_format_and_too_few_slots(sent):
@@ -299,10 +316,28 @@ def test_wire_round_trip_is_exact_and_malformed_messages_are_refused(sent):
         "needs [0-9]+ bytes": good[:-1],
         "follow the last array": good + b"\0",
         "dtype in": good.replace(b'"dtype":"int32"', b'"dtype":"int64"', 1),
+        "RecursionError": wire.MAGIC + (200_000).to_bytes(8, "little") + b"[" * 200_000,
     }
     for match, message in bad.items():
         with pytest.raises(ValueError, match=match):
             wire.decode_part(message)
+
+
+def test_decode_refuses_more_rows_than_it_takes_before_allocating(sent):
+    package, _ = sent
+    huge = _final(package, {"rows": 10**9})
+    with pytest.raises(ValueError, match="rows=1000000000; this worker takes 1 … max_rows=64"):
+        pd.decode(MINI, None, huge, capacity=CAP, cache_format="fp4", new_tokens=2)
+
+
+def test_collect_refuses_a_package_beyond_its_budget(sent):
+    package, _ = sent
+    parts = iter(package.parts)
+    with pytest.raises(ValueError, match="exceed max_bytes=100"):
+        pd.collect(lambda: next(parts), max_bytes=100)
+    parts = iter(package.parts[:1])
+    with pytest.raises(ValueError, match="stopped after 1 parts, before the row state"):
+        pd.collect(lambda: next(parts, None), max_bytes=10**9)
 
 
 def test_socket_messages_and_the_size_limit():
@@ -325,9 +360,10 @@ def test_socket_messages_and_the_size_limit():
 def test_two_process_handoff_continues_as_one_process_generate():
     """`python -m infer.pd`: a prefill process ships its package over a loopback socket in blocks while it
     prefills; the decode process receives it, passes the barrier and decodes; its greedy tokens equal `generate`'s
-    in one process."""
+    in one process. The two prefill in different chunks (a different program), so they agree to float rounding
+    (`csa2.state`); with the float cache a greedy token could only flip on a tie to ~1e-6."""
     out = subprocess.run([sys.executable, "-m", "infer.pd", "--prompt-len", "37", "--chunk", "16", "--new-tokens",
-                          "6"], capture_output=True, text=True, timeout=600)
+                          "6", "--cache-format", "float"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["equal"], report
