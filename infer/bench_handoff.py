@@ -11,12 +11,12 @@ blocks and row state over the socket, the ready barrier and install (`infer.hand
 `decode_step` from the package's first token. The prefill worker reports when its last chunk's logits were ready
 (`prefill_computed_s`, from the start of `prefill_and_ship`, which it calls on the go); the rest is
 `after_compute_s`, the part of the handoff the prefill does not hide (with overlap, the earlier blocks are shipped
-before the last chunk is ready, so they count as prefill). With overlap (`infer.pd.prefill_and_ship`) each chunk's completed Global entries are shipped while the next
-chunk computes; without, the package is cut after the last chunk. The modes alternate, each prompt length's first
-trial of each mode compiles and is dropped, and every figure is a mean over `--repeats` trials with a 95 %
-bootstrap interval, the overlap's gains as paired differences (serial − overlap, trial by trial). Also printed:
-the bytes shipped per prompt token, and a v41_flash package at 10⁶ tokens next to SPEC §8's 890 B/token. One JSON
-line per trial and per summary.
+before the last chunk is ready, so they count as prefill). With overlap (`infer.pd.prefill_and_ship`) each chunk's
+completed Global entries are shipped while the next chunk computes; without, the package is cut after the last
+chunk. The modes alternate, each prompt length's first trial of each mode compiles and is dropped, and every
+figure is a mean over `--repeats` trials with a 95 % bootstrap interval, the overlap's gains as paired
+differences (serial − overlap, trial by trial). Also printed: the bytes shipped per prompt token, and a v41_flash
+package at 10⁶ tokens next to SPEC §8's 890 B/token. One JSON line per trial and per summary.
 """
 
 from __future__ import annotations
