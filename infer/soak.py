@@ -7,10 +7,11 @@ an exact re-prefill of the same tokens, and run into its state's capacity.
 A prompt of `--prompt-len` random bytes is prefilled (exact, in chunks of `--chunk`) into a state whose capacity is
 exactly prompt + `--tokens` (rounded up to the compress ratios); then `decode_step` feeds back its own greedy token
 `--tokens` times, on the host. Every `--check-every` tokens the whole sequence so far is prefilled again, exactly,
-into a fresh state, and the decode's logits are compared with the re-prefill's last logits: the two reach the
-same position through different programs (one token at a time against chunks), so they agree to the rounding of
-the SPEC §8 numerics (an FP4 element at a rounding midpoint can flip, moving logits by ~1e-3; `csa2.state`), and
-the greedy token must agree. Once the state is full, one more `decode_step` must refuse with a ValueError naming
+into a fresh state, and the decode's logits are compared with the re-prefill's last logits. With `--chunk 1` the
+re-prefill feeds one token per call as the decode does, and the two are bit for bit equal; with larger chunks
+they reach the same position through programs of other shapes, so they agree to the rounding of the SPEC §8
+numerics (`csa2.state`): FP4/FP8 elements at rounding midpoints flip and top-k selections can follow, and a longer
+context holds more of them. The greedy token must agree. Once the state is full, one more `decode_step` must refuse with a ValueError naming
 the capacity, never wrap onto valid entries. Prints one JSON line per check and a summary (ring wraps, the
 largest logit difference, greedy agreement, the capacity error).
 """
