@@ -11,9 +11,9 @@ into a fresh state, and the decode's logits are compared with the re-prefill's l
 re-prefill feeds one token per call as the decode does, and the two are bit for bit equal; with larger chunks
 they reach the same position through programs of other shapes, so they agree to the rounding of the SPEC §8
 numerics (`csa2.state`): FP4/FP8 elements at rounding midpoints flip and top-k selections can follow, and a longer
-context holds more of them. The greedy token must agree. Once the state is full, one more `decode_step` must refuse with a ValueError naming
-the capacity, never wrap onto valid entries. Prints one JSON line per check and a summary (ring wraps, the
-largest logit difference, greedy agreement, the capacity error).
+context holds more of them. The greedy token must agree. Once the state is full, one more `decode_step` must
+refuse with a ValueError naming the capacity, never wrap onto valid entries. Prints one JSON line per check and a
+summary (ring wraps, the largest logit difference, greedy agreement, the capacity error).
 """
 
 from __future__ import annotations
