@@ -44,6 +44,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dense-warmup", type=int, default=None, help="steps of dense indexer KL before sparse (SPEC §13)")
     p.add_argument("--replay-window", type=int, default=None, help="train on the SPEC §11 decoder tail of R tokens")
     p.add_argument("--seed", type=int, default=None, help=f"(default {d.seed})")
+    p.add_argument("--save-every", type=int, default=None,
+                   help="also checkpoint every N steps (default: only at the end), the steps a killed run resumes from")
     p.add_argument("--quiet", action="store_true", default=None, help="no JSON line per step on stdout")
     compile_cache.add_argument(p)
     return p.parse_args(argv)
@@ -90,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--out is required: the checkpoint directory (or use --recipe longctx)")
         cfg = preset(args.preset or "tiny")
         tc = train_config(args)
+        if args.save_every is not None and args.save_every < 1:
+            raise ValueError(f"--save-every {args.save_every}: checkpoint every N ≥ 1 steps, or leave it out")
         corpus = load_corpus()
         state = train(cfg, tc, corpus.train, args.out, resume=bool(args.resume),
-                      log=(lambda _: None) if args.quiet else print)
+                      log=(lambda _: None) if args.quiet else print, save_every=args.save_every or 0)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
