@@ -179,6 +179,11 @@ class State:
         return self.length.shape[0]
 
 
+def cache_format(buffer: Stored) -> str:
+    """The `CACHE_FORMATS` name of a state buffer's storage: "fp4" when packed, "float" otherwise."""
+    return "fp4" if buffer.packed else "float"
+
+
 def ring_slots(cfg: ModelConfig) -> int:
     """SWA ring size: the window plus room for a verify block's speculative writes."""
     return cfg.sliding_window + cfg.max_draft

@@ -28,17 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2.checks import is_int
+from csa2.checks import is_int, tree_bytes
 from csa2.config import ModelConfig
 from csa2.layout import kv_stacks
-from csa2.state import GlobalKV, State, capacity, init_state
+from csa2.state import GlobalKV, State, abstract_state, cache_format, capacity, token_granule
 from infer.schedule import config_fingerprint
 from infer.values import pow2
 from pallas_kernels.stored import Stored
@@ -138,7 +137,7 @@ def global_part(cfg: ModelConfig, slices, lo: np.ndarray, hi: np.ndarray, at: np
         for path, host in _named(g):  # [n, G, size, ·]
             pieces = [host[i, :, lo[i, k] - starts[i, k]:hi[i, k] - starts[i, k]] for i in range(host.shape[0])]
             arrays[f"global[{k}]{path}"] = np.ascontiguousarray(np.concatenate(pieces, axis=1))
-    meta = _identity(cfg, _format_of(stacks[0].kv), len(at)) | {
+    meta = _identity(cfg, cache_format(stacks[0].kv), len(at)) | {
         "at": [int(x) for x in at],
         "ranges": [[[int(lo[i, k]), int(hi[i, k])] for i in range(len(at))] for k in range(len(stacks))]}
     return Part("global", meta, arrays)
@@ -149,7 +148,7 @@ def state_part(cfg: ModelConfig, state: State, rows: np.ndarray, *, since: np.nd
     picked = jax.tree.map(lambda a: np.asarray(a[jnp.asarray(rows)]), _row_state(state))
     length = [int(x) for x in picked.length]
     arrays = {path: np.ascontiguousarray(leaf) for path, leaf in _named(picked)}
-    meta = _identity(cfg, _format_of(state.swa), len(rows)) | {
+    meta = _identity(cfg, cache_format(state.swa), len(rows)) | {
         "since": [int(x) for x in since], "first": [int(x) for x in first],
         "at": {c: length for c in COMPONENTS},
         "digest": _digest(state.global_kv, rows, since[:, None] // stack_ratios(cfg)[None]) if since.any() else None}
@@ -184,7 +183,7 @@ def receive(cfg: ModelConfig, package: Package, state: State, rows: Sequence[int
 
 def _check_state_part(cfg: ModelConfig, part: Part, state: State, n: int) -> Part:
     """`part` if it is a well-formed `"state"` part of `n` rows for `state`'s config, format and capacity."""
-    _check_identity(cfg, part, "state", _format_of(state.swa), n)
+    _check_identity(cfg, part, "state", cache_format(state.swa), n)
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype), _row_state(state))
     _check_arrays(part, dict(_named(template)))
     _check_codes(part, _formats(_row_state(state)))
@@ -227,7 +226,7 @@ def _check_state_part(cfg: ModelConfig, part: Part, state: State, n: int) -> Par
 
 def _check_global_part(cfg: ModelConfig, part: Part, state: State, n: int) -> Part:
     """`part` if it is a well-formed `"global"` part of `n` rows for `state`'s config, format and capacity."""
-    _check_identity(cfg, part, "global", _format_of(state.swa), n)
+    _check_identity(cfg, part, "global", cache_format(state.swa), n)
     meta, stacks, ratios = part.meta, kv_stacks(cfg), stack_ratios(cfg)
     at, ranges = meta.get("at"), meta.get("ranges")
     cap = capacity(cfg, state)
@@ -277,21 +276,16 @@ def _global_writes(cfg: ModelConfig, blocks: list[Part], rows: np.ndarray, state
     writes that fall out of bounds (dropped)."""
     writes = []
     for k, g in enumerate(state.global_kv):
-        values, slot, entry = {}, [], []
-        for part in blocks:
-            for i, (lo, hi) in enumerate(part.meta["ranges"][k]):
-                slot += [rows[i]] * (hi - lo)
-                entry += range(lo, hi)
-            for path, _ in _named(g):
-                values.setdefault(path, []).append(part.arrays[f"global[{k}]{path}"])
-        m = len(slot)
+        spans = [(rows[i], lo, hi) for part in blocks for i, (lo, hi) in enumerate(part.meta["ranges"][k])]
+        values = {path: [part.arrays[f"global[{k}]{path}"] for part in blocks] for path, _ in _named(g)}
+        m = sum(hi - lo for _, lo, hi in spans)
         pad = pow2(max(m, 1)) - m
-        slot = np.array(slot + [0] * pad, np.int32)
-        entry = np.array(entry + [g.kv.rows] * pad, np.int32)  # out of bounds → dropped
+        slot = np.concatenate([np.full(hi - lo, row, np.int32) for row, lo, hi in spans] + [np.zeros(pad, np.int32)])
+        entry = np.concatenate([np.arange(lo, hi, dtype=np.int32) for _, lo, hi in spans]
+                               + [np.full(pad, g.kv.rows, np.int32)])  # out of bounds → dropped
         leaves = []
         for path, leaf in _named(g):
-            joined = np.concatenate(values[path], axis=1) if values.get(path) else np.zeros(
-                (leaf.shape[1], 0, leaf.shape[3]), leaf.dtype)
+            joined = np.concatenate([np.zeros((leaf.shape[1], 0, leaf.shape[3]), leaf.dtype), *values[path]], axis=1)
             leaves.append(np.pad(joined.transpose(1, 0, 2), ((0, pad), (0, 0), (0, 0))))
         writes.append((jax.tree.unflatten(jax.tree.structure(g), leaves), slot, entry))
     return tuple(writes)
@@ -314,15 +308,13 @@ def _install(state: State, rows: Array, writes, values: State) -> State:
 # ---------------------------------------------------------------------------------------------
 # Sizes
 
-def package_bytes(cfg: ModelConfig, length: int, cache_format: str = "fp4", since: int = 0) -> dict[str, int]:
+def package_bytes(cfg: ModelConfig, length: int, fmt: str = "fp4", since: int = 0) -> dict[str, int]:
     """Array bytes of one row's package at `length` tokens (shipping `[since, length)`), from the state's shapes:
     `{"global": ..., "state": ..., "total": ...}` (the wire adds a small JSON header per part)."""
-    cap = max(-(-length // 64) * 64, 64)
-    state = jax.eval_shape(lambda: init_state(cfg, 1, cap, cache_format))
-    per_entry = [sum(math.prod(a.shape[1:2] + a.shape[3:]) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(g))
-                 for g in state.global_kv]
+    state = abstract_state(cfg, 1, token_granule(cfg), fmt)  # per-entry and per-row sizes only
+    per_entry = [tree_bytes(g) // g.kv.rows for g in state.global_kv]
     glob = sum(e * (length // r - since // r) for e, r in zip(per_entry, stack_ratios(cfg)))
-    rest = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(_row_state(state)))
+    rest = tree_bytes(_row_state(state))
     return {"global": int(glob), "state": int(rest), "total": int(glob + rest)}
 
 
@@ -369,17 +361,17 @@ def _check_codes(part: Part, formats: dict) -> None:
                              "corrupt (re-send it)")
 
 
-def _identity(cfg: ModelConfig, cache_format: str, n: int) -> dict:
-    return {"version": VERSION, "config": config_fingerprint(cfg), "cache_format": cache_format, "rows": n}
+def _identity(cfg: ModelConfig, fmt: str, n: int) -> dict:
+    return {"version": VERSION, "config": config_fingerprint(cfg), "cache_format": fmt, "rows": n}
 
 
-def _check_identity(cfg: ModelConfig, part: Part, kind: str, cache_format: str, n: int) -> None:
+def _check_identity(cfg: ModelConfig, part: Part, kind: str, fmt: str, n: int) -> None:
     if part.kind != kind:
         raise ValueError(f"receive: got a {part.kind!r} part where a {kind!r} part belongs; a package is its global "
                          "parts, then one state part")
     if not isinstance(part.meta, dict):
         raise ValueError(f"receive: {kind} part meta is a {type(part.meta).__name__}; expected a dict")
-    want = _identity(cfg, cache_format, n)
+    want = _identity(cfg, fmt, n)
     for key, value in want.items():
         got = part.meta.get(key)
         if type(got) is not type(value) or got != value:
@@ -432,10 +424,6 @@ def _per_row(name: str, value, n: int, default: int) -> np.ndarray:
 def stack_ratios(cfg: ModelConfig) -> np.ndarray:
     """The compress ratio of each stack of `layout.kv_stacks(cfg)`."""
     return np.array([cfg.compress_ratios[s[0]] for s in kv_stacks(cfg)], np.int64)
-
-
-def _format_of(stored: Stored) -> str:
-    return "fp4" if stored.packed else "float"
 
 
 def _digest(global_kv, rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:

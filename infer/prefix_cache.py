@@ -38,7 +38,7 @@ from csa2.checks import is_int, tree_bytes
 from csa2.config import ModelConfig
 from csa2.layout import kv_stacks
 from csa2.replay import Extend, ReplayPolicy
-from csa2.state import State, capacity, init_state
+from csa2.state import State, cache_format, capacity, init_state
 from infer.schedule import config_fingerprint
 
 Array = jax.Array
@@ -145,7 +145,7 @@ class PrefixCache:
                         for g, r in zip(state.global_kv, ratios))
         owner = _key(prompt)
         self._records[owner] = Record(tokens=prompt, global_kv=entries, config=self.config,
-                                      cache_format=_format(state))
+                                      cache_format=cache_format(state.swa))
         self._records.move_to_end(owner)
         for p in [*range(self.block, length, self.block), length]:
             self._prefixes.setdefault((p, _key(prompt[:p])), owner)
@@ -194,14 +194,15 @@ class PrefixCache:
         if hit.length >= len(prompt):
             raise ValueError(f"restore: hit.length={hit.length} but the prompt has {len(prompt)} tokens; a prefix "
                              "must be shorter than the prompt (look it up with lookup(prompt))")
-        if hit.record is not None and (hit.record.config != self.config or hit.record.cache_format != _format(state)):
+        fmt = cache_format(state.swa)
+        if hit.record is not None and (hit.record.config != self.config or hit.record.cache_format != fmt):
             raise ValueError(f"restore: the hit was stored for config {hit.record.config} "
                              f"({hit.record.cache_format} cache), this store and state are for config {self.config} "
-                             f"({_format(state)} cache); look prefixes up in the store of the model that made them")
+                             f"({fmt} cache); look prefixes up in the store of the model that made them")
         if len(prompt) > capacity(self.cfg, state):
             raise ValueError(f"restore: the prompt has {len(prompt)} tokens, the state holds "
                              f"{capacity(self.cfg, state)}; allocate a larger state")
-        empty = _row(init_state(self.cfg, 1, capacity(self.cfg, state), _format(state)), 0)
+        empty = _row(init_state(self.cfg, 1, capacity(self.cfg, state), fmt), 0)
         if hit.length == 0:
             return _put_row(state, row, empty), 0
         fresh = jax.tree.map(lambda g, e: e.at[:, :g.shape[1]].set(g), hit.record.global_kv, empty.global_kv)
@@ -218,15 +219,12 @@ class PrefixCache:
         return _put_row(state, row, new), start
 
     def _check_state(self, state: State, where: str) -> None:
-        want = jax.eval_shape(lambda: init_state(self.cfg, state.batch, capacity(self.cfg, state), _format(state)))
+        fmt = cache_format(state.swa)
+        want = jax.eval_shape(lambda: init_state(self.cfg, state.batch, capacity(self.cfg, state), fmt))
         got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
         if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
             raise ValueError(f"{where}: the state does not have the shapes of this store's config {self.config}; "
                              "use the store of the model that made the state")
-
-
-def _format(state: State) -> str:
-    return "fp4" if state.swa.packed else "float"
 
 
 def _tokens(name: str, tokens) -> np.ndarray:
