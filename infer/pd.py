@@ -142,12 +142,11 @@ def decode(cfg: ModelConfig, params, package: Package, *, capacity: int, cache_f
     first = package.first_tokens
     if (first == handoff.NO_TOKEN).any():
         raise ValueError("decode: the package carries no first token; the prefill worker must draw it (draw_first)")
-    token, out = jnp.asarray(first, jnp.int32), [first]
-    for _ in range(new_tokens - 1):
-        logits, state = model.decode_step(cfg, params, state, token)
-        token = jnp.argmax(logits, -1).astype(jnp.int32)
-        out.append(np.asarray(token))
-    return np.stack(out, axis=1)
+    out = [jnp.asarray(first, jnp.int32)]
+    for _ in range(new_tokens - 1):  # tokens stay on the device: no host round trip per step
+        logits, state = model.decode_step(cfg, params, state, out[-1])
+        out.append(jnp.argmax(logits, -1).astype(jnp.int32))
+    return np.asarray(jnp.stack(out, axis=1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from csa2 import compile_cache, model
 from csa2.config import ModelConfig
 from csa2.replay import EXACT, Extend
 from csa2.state import init_state, ring_slots, token_granule
+from infer.pd import random_prompt
 from infer.values import round_up
 
 
@@ -59,16 +60,15 @@ def soak(cfg: ModelConfig, params, *, tokens: int, check_every: int, prompt_len:
     if capacity > cfg.max_position_embeddings:
         raise ValueError(f"soak: prompt_len + tokens = {prompt_len + tokens} exceeds max_position_embeddings="
                          f"{cfg.max_position_embeddings}; generate fewer tokens")
-    sequence = list(np.random.default_rng(seed).integers(0, min(cfg.vocab_size, 256), prompt_len))
-    logits, state = prefill(cfg, params, np.asarray(sequence, np.int32), capacity, chunk, cache_format)
-    checks, t0 = [], time.perf_counter()
-    while len(sequence) < capacity:
-        token = int(jnp.argmax(logits[0]))
-        sequence.append(token)
-        logits, state = model.decode_step(cfg, params, state, jnp.asarray([token], jnp.int32))
-        generated = len(sequence) - prompt_len
-        if generated % check_every == 0 or len(sequence) == capacity:
-            again, _ = prefill(cfg, params, np.asarray(sequence, np.int32), capacity, chunk, cache_format)
+    prompt = random_prompt(cfg, prompt_len, seed)
+    logits, state = prefill(cfg, params, prompt, capacity, chunk, cache_format)
+    checks, t0, drawn = [], time.perf_counter(), []  # drawn: [1] device arrays, read back only at a check
+    for generated in range(1, capacity - prompt_len + 1):
+        drawn.append(jnp.argmax(logits, -1).astype(jnp.int32))
+        logits, state = model.decode_step(cfg, params, state, drawn[-1])
+        if generated % check_every == 0 or prompt_len + generated == capacity:
+            sequence = np.concatenate([prompt, np.asarray(jnp.concatenate(drawn))])
+            again, _ = prefill(cfg, params, sequence, capacity, chunk, cache_format)
             a, b = np.asarray(logits[0]), np.asarray(again[0])
             check = {"position": len(sequence), "generated": generated,
                      "ring_wraps": len(sequence) // ring_slots(cfg),
@@ -85,7 +85,7 @@ def soak(cfg: ModelConfig, params, *, tokens: int, check_every: int, prompt_len:
                "ring_wraps": len(sequence) // ring_slots(cfg),
                "max_abs_logit_diff": max(c["max_abs_logit_diff"] for c in checks),
                "greedy_agreements": sum(c["greedy_agrees"] for c in checks), "capacity_refusal": refusal,
-               "distinct_generated_tokens": len(set(sequence[prompt_len:])),
+               "distinct_generated_tokens": len(set(sequence[prompt_len:].tolist())),
                "seconds": round(time.perf_counter() - t0, 1)}
     log(json.dumps({"summary": summary}))
     return summary
