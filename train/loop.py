@@ -110,11 +110,11 @@ class NonFiniteLoss(ValueError):
 def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: bool = False,
         log: Callable[[str], None] = print, bar: bool = True, save_every: int = 0,
         until: int | None = None) -> TrainState:
-    """Train up to step `until` (default `trainee.steps`) of the schedule, from the latest checkpoint in `out`
-    when `resume`; then save, write metrics.jsonl and the trainee's figure. `log` takes each logged step's record
-    as a JSON line; `bar` draws a progress bar on stderr. A directory holding checkpoints of another kind or
-    config is refused before any step runs. A non-finite loss at a logged or saved step raises `NonFiniteLoss`
-    before anything is saved, so the last checkpoint on disk stays the last good one."""
+    """Train up to step `until` (default `trainee.steps`) of the schedule, from the latest checkpoint in `out` when
+    `resume`; then save, write metrics.jsonl (also with every intermediate checkpoint) and the trainee's figure. `log`
+    takes each logged step's record as a JSON line; `bar` draws a progress bar on stderr. A directory holding
+    checkpoints of another kind or config is refused before any step runs. A non-finite loss at a logged or saved step
+    raises `NonFiniteLoss` before anything is saved, so the last checkpoint on disk stays the last good one."""
     out = pathlib.Path(out)
     checkpoint.check_dir(out, cfg, trainee.kind)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,7 +152,7 @@ def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: 
         if logged or saving:
             loss = float(np.asarray(metrics["loss"]))
             if not math.isfinite(loss):
-                metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+                _write_records(metrics_path, records)
                 raise NonFiniteLoss(f"{trainee.kind} training stopped at step {done}: the loss is {loss}. Nothing "
                                     "was saved after it; " + (f"the checkpoint at step {saved} in {out} is the last "
                                                               "good one (resume from it with a lower learning rate)"
@@ -167,16 +167,21 @@ def run(trainee: Trainee, cfg: ModelConfig, out: str | pathlib.Path, *, resume: 
             if bar:
                 progress(done, last, trainee.summary(record),
                          elapsed / (step - first) * (last - done) if step > first else float("nan"))
-        if saving:
+        if saving:  # the records go with each checkpoint, so a killed run keeps those its resume starts from
             _save(out, cfg, trainee, state)
+            _write_records(metrics_path, records)
             saved = done
     if bar:
         sys.stderr.write("\n")
     _save(out, cfg, trainee, state)
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    _write_records(metrics_path, records)
     if records and not trainee.plot(records, out / trainee.png):
         log(f"no {out / trainee.png}: plotting needs the plot extra (pip install -e '.[plot]')")
     return state
+
+
+def _write_records(path: pathlib.Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def _save(out: pathlib.Path, cfg: ModelConfig, trainee: Trainee, state: TrainState) -> None:

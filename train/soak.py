@@ -5,12 +5,12 @@ uninterrupted run ends.
                          [--seed 0] [--kill-seed 0] [--out DIR]
 
 Three `python -m train` processes with the same flags (and `--save-every`; their output in `OUT/*.log`): an
-uninterrupted reference into `OUT/reference`; a run into `OUT/killed` that gets SIGKILL at a random moment after
-its second checkpoint (the delay drawn from `--kill-seed`, up to the time the rest of the run should take); then
-`--resume` of that run, which continues from its latest complete checkpoint. The two final checkpoints are
-compared leaf by leaf (parameters, optimizer state, RNG, data position), and so are the losses the resumed run
-logged with the reference's at the same steps. Prints one JSON summary; exit status 1 unless everything is
-identical.
+uninterrupted reference into `OUT/reference`; a run into `OUT/killed` that gets SIGKILL at a random moment after its
+second checkpoint (the delay drawn from `--kill-seed`, up to the time the rest of the run should take); then `--resume`
+of that run, which continues from its latest complete checkpoint. The two final checkpoints are compared leaf by leaf
+(parameters, optimizer state, RNG, data position), and so are the losses of every step (metrics.jsonl is written with
+each checkpoint, so the killed run keeps the records its resume starts from). Prints one JSON summary; exit status 1
+unless everything is identical.
 """
 
 from __future__ import annotations
@@ -65,19 +65,10 @@ def _losses(run: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-def _resumed_losses_match(reference: pathlib.Path, killed: pathlib.Path, resumed_from: int) -> bool:
-    """The losses the resumed run logged (every step after `resumed_from`; a killed run's metrics.jsonl, written at
-    the end of a run, is lost with it) equal the reference's at the same steps."""
-    want, got = _losses(reference), _losses(killed)
-    steps = [s for s in want if s > resumed_from]
-    return bool(steps) and all(got.get(s) == want[s] for s in steps)
-
-
-def soak(out: pathlib.Path, flags: list[str], *, kill_seed: int, cache: str | None) -> dict:
-    """Run the reference, the killed and the resumed run of `python -m train <flags>` into `out`; compare."""
-    args = [*flags, "--quiet", "--compile-cache", cache or "off"]
-    every = int(flags[flags.index("--save-every") + 1])
-    steps = int(flags[flags.index("--steps") + 1])
+def soak(out: pathlib.Path, flags: list[str], *, steps: int, every: int, kill_seed: int, cache: str | None) -> dict:
+    """Run the reference, the killed and the resumed run of `python -m train <flags> --steps S --save-every K` into
+    `out`; compare."""
+    args = [*flags, "--steps", str(steps), "--save-every", str(every), "--quiet", "--compile-cache", cache or "off"]
     if steps < 3 * every:
         raise ValueError(f"train.soak: --steps {steps} < 3 × --save-every {every}: the kill needs room after the "
                          "second checkpoint")
@@ -114,7 +105,7 @@ def soak(out: pathlib.Path, flags: list[str], *, kill_seed: int, cache: str | No
                "killed_before_finishing": not finished_before_kill, "resumed_from_step": resumed_from,
                "final_step": (a["step"], b["step"]), "data_step": (a["data_step"], b["data_step"]),
                **{f"identical_{k}": v for k, v in leaves.items()},
-               "identical_losses": _resumed_losses_match(reference, killed, resumed_from or 0),
+               "identical_losses": _losses(reference) == _losses(killed),
                "reference_s": round(reference_s, 1)}
     summary["identical"] = (all(leaves.values()) and summary["identical_losses"] and a["step"] == b["step"]
                             and a["data_step"] == b["data_step"])
@@ -138,10 +129,10 @@ def main(argv=None) -> int:
     if out.exists() and any(out.iterdir()):
         print(f"error: --out {out} is not empty; pass a new directory", file=sys.stderr)
         return 2
-    flags = ["--preset", args.preset, "--steps", str(args.steps), "--save-every", str(args.save_every),
-             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--seed", str(args.seed)]
+    flags = ["--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+             "--seed", str(args.seed)]
     try:
-        summary = soak(out, flags, kill_seed=args.kill_seed, cache=cache)
+        summary = soak(out, flags, steps=args.steps, every=args.save_every, kill_seed=args.kill_seed, cache=cache)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
