@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from csa2.config import ModelConfig
 from csa2.mesh import REPLICATED, ROWS, Placement, Rules, check_rules, replicated, rows, use_rules
+from csa2.quant import NUMERICS
 from csa2.replay import Extend, ReplayPolicy
 from csa2.state import State, capacity
 
@@ -215,6 +216,17 @@ def check_replay(cfg: ModelConfig, replay) -> None:
     if not isinstance(replay, ReplayPolicy):
         raise ValueError(f"replay={replay!r}: pass a csa2.replay.ReplayPolicy (EXACT for the reference mode)")
     replay.check(cfg)
+
+
+def check_numerics(numerics, cache_format: str) -> None:
+    """`numerics` is one of `quant.NUMERICS`; the float model runs on a float cache (a packed cache rounds every
+    entry it stores to SPEC §8, which is not the float model)."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics={numerics!r}: use one of {NUMERICS} (\"spec\": the SPEC §8 FP4/FP8 numerics, "
+                         "\"float\": the float model)")
+    if numerics == "float" and cache_format != "float":
+        raise ValueError(f"numerics='float' with cache_format={cache_format!r}: the float model stores float "
+                         "values; use cache_format='float' (init_state(..., cache_format='float'))")
 
 
 def check_token_ids(cfg: ModelConfig, tokens, n_valid=None) -> None:

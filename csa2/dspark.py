@@ -206,9 +206,10 @@ def window_rows(length: Array, floor: Array, window: int, slots: int) -> Array:
 
 
 def propose(cfg: ModelConfig, params: dict, state, anchor: Array, key: Array, temperature: Array,
-            top_p: Array) -> Proposal:
+            top_p: Array, *, quantize: bool) -> Proposal:
     """Draft γ = `dspark_block_size` tokens after `anchor [B]` (the sampled token at position `length`), from
-    the drafter's context windows in `state`; Markov logits sampled left to right (`csa2.sampling`)."""
+    the drafter's context windows in `state`; Markov logits sampled left to right (`csa2.sampling`).
+    `quantize`: the block's own window KV in the SPEC §8 numerics (False: the float model)."""
     p, gamma, b = params[DRAFTER], cfg.dspark_block_size, anchor.shape[0]
     chex.assert_shape(anchor, (state.batch,))
     block = jnp.concatenate([anchor[:, None].astype(jnp.int32),
@@ -217,7 +218,7 @@ def propose(cfg: ModelConfig, params: dict, state, anchor: Array, key: Array, te
     rows = window_rows(state.length, state.floor, cfg.sliding_window, state.draft.rows)
     ctx_idx = jnp.broadcast_to(rows[:, None], (b, gamma, rows.shape[1]))
     contexts = [_stage(state.draft, i) for i in range(cfg.num_nextn_predict_layers)]
-    h = hidden(cfg, p, params["embed"], block, positions, contexts, ctx_idx, quantize=True)
+    h = hidden(cfg, p, params["embed"], block, positions, contexts, ctx_idx, quantize)
     U = base_logits(cfg, p, params["head"], h)  # [B, γ, V]
 
     def step(prev, xs):

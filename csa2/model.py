@@ -32,7 +32,7 @@ from csa2.moe import bias_update
 from csa2.params import arrays, constant, initialize, normal, ones
 from csa2.replay import EXACT, Extend, ReplayPolicy
 from csa2.stack import StackOut, logits as head_logits, split_layers, stack, stacked_layers
-from csa2.state import State, init_state, token_granule
+from csa2.state import State, cache_format, init_state, token_granule
 
 Array = jax.Array
 
@@ -95,7 +95,7 @@ def _last_logits(cfg: ModelConfig, p: dict, out: StackOut) -> Array:
     return head_logits(cfg, p, take_rows(out.X, last), take_rows(out.pre, last))[:, 0]
 
 
-def _with_context(cfg: ModelConfig, p: dict, start: Array, out: StackOut) -> State:
+def _with_context(cfg: ModelConfig, p: dict, start: Array, out: StackOut, quantize: bool) -> State:
     """The call's new state with the drafter's context windows written for the rows that reached the head
     (SPEC §12): what a later `draft` reads. Without a drafter the state is returned as it is."""
     if DRAFTER not in p:
@@ -104,22 +104,24 @@ def _with_context(cfg: ModelConfig, p: dict, start: Array, out: StackOut) -> Sta
     valid = jnp.arange(t, dtype=jnp.int32)[None] < out.n_rows[:, None]
     with jax.named_scope("drafter_context"):
         windows = dspark.write_context(cfg, p[DRAFTER], out.state.draft, out.features, start[:, None] + out.rows,
-                                       valid, out.state.length, quantize=True)
+                                       valid, out.state.length, quantize)
     return out.state.replace(draft=windows)
 
 
-def _check_prefill(cfg, params, state, tokens, n_valid, replay, extend) -> None:
+def _check_prefill(cfg, params, state, tokens, n_valid, replay, extend, numerics) -> None:
     boundary.check_config(cfg)
     boundary.check_replay(cfg, replay)
     boundary.check_chunk(cfg, state, tokens, n_valid)
+    boundary.check_numerics(numerics, cache_format(state.swa))
     boundary.check_extend(cfg, state, tokens, n_valid, extend)
 
 
-@entry_point(_check_prefill, static_argnames=("cfg", "replay"), donate_argnames=("state",),
+@entry_point(_check_prefill, static_argnames=("cfg", "replay", "numerics"), donate_argnames=("state",),
              place=dict(params=PARAMS, state=ROWS, tokens=ROWS, n_valid=ROWS, extend=ROWS),
              out=(ROWS, "state", REPLICATED))
 def prefill(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array, n_valid: Array | None = None,
-            replay: ReplayPolicy = ReplayPolicy(), extend: Extend | None = None) -> tuple[Array, State, dict]:
+            replay: ReplayPolicy = ReplayPolicy(), extend: Extend | None = None,
+            numerics: str = "spec") -> tuple[Array, State, dict]:
     """Process a prompt chunk `tokens [B, S]` (`n_valid [B]` real tokens per row, default S) of
     `extend` (`Extend(start, end)`: the positions of the prompt's new tokens when it arrives in
     several chunks, e.g. `Extend.cold(N)`; None: this chunk is the whole prompt). A state that holds
@@ -131,57 +133,72 @@ def prefill(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array, n_
     count processed. With `replay.window = R` only the extend's last min(R, end − start) positions
     run through the layers from the split on (SPEC §11), in whichever chunks hold them, so every
     chunking gives the state and logits of one call; `EXACT` is the reference.
+
+    `numerics`: "spec" (SPEC §8: what the cache stores is rounded to its FP4/FP8 formats, the default) or
+    "float" (the float model, on a float cache: the reference for exactness checks, and the baseline that
+    measures what the FP4/FP8 cache costs). Every call on one state uses the same numerics.
     """
     n_valid = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     p = arrays(params)
-    out = stack(cfg, p, state, tokens, n_valid, replay, quantize=True, extend=extend, features=DRAFTER in p)
-    return _last_logits(cfg, p, out), _with_context(cfg, p, state.length, out), {"work": out.work}
+    quantize = numerics == "spec"
+    out = stack(cfg, p, state, tokens, n_valid, replay, quantize=quantize, extend=extend, features=DRAFTER in p)
+    return _last_logits(cfg, p, out), _with_context(cfg, p, state.length, out, quantize), {"work": out.work}
 
 
 STEP = dict(params=PARAMS, state=ROWS, tokens=ROWS)  # a step's placements on a mesh (`EntryPoint.on`)
 
 
-def _check_decode(cfg, params, state, tokens) -> None:
+def _check_decode(cfg, params, state, tokens, numerics) -> None:
     boundary.check_config(cfg)
     if jnp.ndim(tokens) != 1:
         raise ValueError(f"tokens.shape={jnp.shape(tokens)}: decode_step takes one token per row, [B]")
     ids = boundary.concrete(tokens)
     column = jax.ShapeDtypeStruct((*jnp.shape(tokens), 1), jnp.result_type(tokens)) if ids is None else ids[:, None]
     boundary.check_chunk(cfg, state, column, None)
+    boundary.check_numerics(numerics, cache_format(state.swa))
 
 
-@entry_point(_check_decode, static_argnames=("cfg",), donate_argnames=("state",), place=STEP, out=(ROWS, "state"))
-def decode_step(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array) -> tuple[Array, State]:
-    """One token per row `tokens [B]` through all layers: logits [B, V] and the state with length + 1."""
+@entry_point(_check_decode, static_argnames=("cfg", "numerics"), donate_argnames=("state",), place=STEP,
+             out=(ROWS, "state"))
+def decode_step(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array,
+                numerics: str = "spec") -> tuple[Array, State]:
+    """One token per row `tokens [B]` through all layers: logits [B, V] and the state with length + 1
+    (`numerics` as `prefill`)."""
     ones_ = jnp.ones(tokens.shape, jnp.int32)
     p = arrays(params)
-    out = stack(cfg, p, state, tokens[:, None], ones_, EXACT, quantize=True, features=DRAFTER in p)
-    return _last_logits(cfg, p, out), _with_context(cfg, p, state.length, out)
+    quantize = numerics == "spec"
+    out = stack(cfg, p, state, tokens[:, None], ones_, EXACT, quantize=quantize, features=DRAFTER in p)
+    return _last_logits(cfg, p, out), _with_context(cfg, p, state.length, out, quantize)
 
 
-def _check_verify(cfg, params, state, tokens) -> None:
+def _check_verify(cfg, params, state, tokens, numerics) -> None:
     boundary.check_config(cfg)
     shape = jnp.shape(tokens)
     if len(shape) != 2 or not 1 <= shape[1] <= cfg.max_draft + 1:
         raise ValueError(f"tokens.shape={shape}: verify takes [B, γ+1] with 1 ≤ γ+1 ≤ max_draft+1 = "
                          f"{cfg.max_draft + 1}; raise ModelConfig.max_draft for longer drafts")
     boundary.check_chunk(cfg, state, tokens, None)
+    boundary.check_numerics(numerics, cache_format(state.swa))
 
 
-@entry_point(_check_verify, static_argnames=("cfg",), donate_argnames=("state",), place=STEP, out=(ROWS, "state"))
-def verify(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array) -> tuple[Array, State]:
-    """Score a verify block `tokens [B, γ+1]` = [R, d1 … dγ] at positions L … L+γ (SPEC §12).
+@entry_point(_check_verify, static_argnames=("cfg", "numerics"), donate_argnames=("state",), place=STEP,
+             out=(ROWS, "state"))
+def verify(cfg: ModelConfig, params: nnx.State, state: State, tokens: Array,
+           numerics: str = "spec") -> tuple[Array, State]:
+    """Score a verify block `tokens [B, γ+1]` = [R, d1 … dγ] at positions L … L+γ (SPEC §12), with
+    `numerics` as `prefill`.
 
     Returns all logits [B, γ+1, V] and the speculative state: `length` is still L; `commit`
     then sets it to L + n + 1. Rejected positions are scratch that no valid read can reach.
     """
     b, s = tokens.shape
     p = arrays(params)
-    out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), EXACT, quantize=True, features=DRAFTER in p)
+    quantize = numerics == "spec"
+    out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), EXACT, quantize=quantize, features=DRAFTER in p)
     accept = state.accept.replace(tokens=state.accept.tokens.at[:, :s].set(tokens), count=jnp.zeros_like(state.length),
                                   width=jnp.full_like(state.length, s))
     # Speculative: buffers hold positions L … L+γ, but nothing is committed until `commit`.
-    new = _with_context(cfg, p, state.length, out)
+    new = _with_context(cfg, p, state.length, out, quantize)
     return head_logits(cfg, p, out.X, out.pre), new.replace(length=state.length, accept=accept)
 
 
@@ -212,7 +229,7 @@ def commit(state: State, accept_lens: Array, bonus: Array) -> State:
     return state.replace(length=state.length + accept_lens, accept=accept)
 
 
-def _check_draft(cfg, params, state, anchor, key, temperature, top_p) -> None:
+def _check_draft(cfg, params, state, anchor, key, temperature, top_p, numerics) -> None:
     boundary.check_config(cfg)
     if not cfg.num_nextn_predict_layers:
         raise ValueError("num_nextn_predict_layers=0: this config has no DSpark drafter; use a config with "
@@ -225,16 +242,19 @@ def _check_draft(cfg, params, state, anchor, key, temperature, top_p) -> None:
     ids = boundary.concrete(anchor)
     if ids is not None:
         boundary.check_token_ids(cfg, ids[:, None])
+    boundary.check_numerics(numerics, cache_format(state.swa))
 
 
-@entry_point(_check_draft, static_argnames=("cfg",), place=dict(params=PARAMS, state=ROWS, anchor=ROWS), out=ROWS)
+@entry_point(_check_draft, static_argnames=("cfg", "numerics"), place=dict(params=PARAMS, state=ROWS, anchor=ROWS),
+             out=ROWS)
 def draft(cfg: ModelConfig, params: nnx.State, state: State, anchor: Array, key: Array,
-          temperature: Array = 0.0, top_p: Array = 1.0) -> dspark.Proposal:
+          temperature: Array = 0.0, top_p: Array = 1.0, numerics: str = "spec") -> dspark.Proposal:
     """DSpark's γ = `dspark_block_size` drafts after `anchor [B]`, the sampled token at each row's position
     `length` (SPEC §12): tokens, the logits each was drawn from, confidences. Reads the state, writes
-    nothing; `verify` then scores [anchor, drafts]. `temperature` 0 drafts greedily."""
+    nothing; `verify` then scores [anchor, drafts]. `temperature` 0 drafts greedily; `numerics` as `prefill`."""
     with jax.named_scope("drafter"):
-        return dspark.propose(cfg, arrays(params), state, anchor, key, jnp.float32(temperature), jnp.float32(top_p))
+        return dspark.propose(cfg, arrays(params), state, anchor, key, jnp.float32(temperature), jnp.float32(top_p),
+                              quantize=numerics == "spec")
 
 
 def fork(state: State, rows: Array) -> State:

@@ -4,6 +4,10 @@
 live, once) bit for bit, in `x.dtype`, so QAT and the float cache see exactly what the packed cache
 stores. Its gradient is straight-through: identity where `|x / scale| ≤ payload max`, zero where
 the clamp bites (only `MAIN` can clamp).
+
+`NUMERICS` names the two numerics inference runs: `"spec"`, the SPEC §8 default (Main KV, Indexer Q/K and window
+KV rounded to their storage formats, in a packed or a float cache), and `"float"`, the float model (nothing
+rounded; a float cache), the reference that exactness properties are checked against to float rounding.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.formats import INDEX, MAIN, WINDOW, QuantFormat, dequantize, encode_blocks, scaled_blocks
 
-__all__ = ["fake_quant", "MAIN", "INDEX", "WINDOW"]
+__all__ = ["fake_quant", "MAIN", "INDEX", "WINDOW", "NUMERICS"]
+
+NUMERICS = ("spec", "float")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

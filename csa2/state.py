@@ -29,11 +29,12 @@ its batch, but "the same" means two things:
   source row's bits; resume, checkpoints, storage formats and gathers are bit-exact.
 - **to float rounding**, across shapes: the same rows run at a different batch size, chunking or length are a
   different program, and XLA:CPU promises no bitwise equality between those (vector widths, tiling, summation
-  order and library kernels follow the shape and the host's ISA). With the `"float"` numerics they agree to a few
-  ulps; with the SPEC §8 numerics those ulps can flip a rare FP4/FP8 element at a rounding midpoint, moving later
-  logits by ~1e-3, and a greedy token can flip where two logits tie to that precision.
-The tests state each promise where it applies (`tests/csa2/test_model.py`, `tests/csa2/test_properties.py`), and
-the cross-shape ones run again under another instruction set (`tests/test_isa.py`).
+  order and library kernels follow the shape and the host's ISA). With the float numerics (`numerics="float"`)
+  they agree to a few ulps; with the SPEC §8 numerics those ulps can flip a rare FP4/FP8 element at a rounding
+  midpoint, moving later logits by ~1e-3, and a greedy token can flip where two logits tie to that precision.
+The tests state each promise where it applies (`tests/csa2/test_model.py`, the fuzz harness `infer.fuzz` and its
+fast slice `tests/infer/test_fuzz.py`), and the cross-shape ones run again under another instruction set
+(`tests/test_isa.py`).
 
 Cache formats: `"fp4"` stores the SPEC §8 formats (FP4/MXFP4 payloads packed two per byte with
 e4m3 / ue8m0 scales, FP8 rings with ue8m0 scales); `"float"` stores float32 values (QAT and the

@@ -1,7 +1,8 @@
 """`python -m infer`: continue text prompts with a trained checkpoint (byte vocabulary, SPEC §11).
 
     python -m infer --checkpoint DIR --prompt "..." [--prompt ...] [--batch-file F] [--max-new-tokens N]
-                    [--temperature T] [--top-p P] [--replay-window R | --exact] [--seed S] [--step K]
+                    [--temperature T] [--top-p P] [--replay-window R | --exact] [--numerics spec|float]
+                    [--seed S] [--step K]
 
 All prompts run as one batch (`infer.generate`); each is BOS + its UTF-8 bytes. Prints every
 continuation, then one line with the compile time and the tokens/s of the compiled call (new tokens
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     replay = ap.add_mutually_exclusive_group()
     replay.add_argument("--replay-window", type=int, default=128, help="decoder replay window R (SPEC §11)")
     replay.add_argument("--exact", action="store_true", help="exact prefill: every position through every layer")
+    ap.add_argument("--numerics", choices=("spec", "float"), default="spec",
+                    help="spec: the SPEC §8 FP4/FP8 cache (default); float: the float model on a float cache")
     ap.add_argument("--seed", type=int, default=0)
     compile_cache.add_argument(ap)
     return ap
@@ -77,7 +80,8 @@ def _main(args) -> None:
     cfg = load_config(args.checkpoint, args.step)
     replay = EXACT if args.exact else ReplayPolicy(window=args.replay_window)
     batch = plan(cfg, [encode(t, bos=True) for t in texts], max_new_tokens=args.max_new_tokens,
-                 sampling=Sampling(temperature=args.temperature, top_p=args.top_p), replay=replay, seed=args.seed)
+                 sampling=Sampling(temperature=args.temperature, top_p=args.top_p), replay=replay,
+                 numerics=args.numerics, seed=args.seed)
     cfg, params = restore_params(args.checkpoint, cfg, args.step)
     t0 = time.perf_counter()
     compiled = lower(cfg, params, batch).compile()

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from csa2 import model
-from csa2.boundary import entry_point
+from csa2.boundary import check_numerics, entry_point
 from csa2.checks import is_int, is_number
 from csa2.config import ModelConfig
 from csa2.mesh import PARAMS, ROWS, Rules
@@ -85,6 +85,7 @@ class Plan(NamedTuple):
     max_new_tokens: int
     replay: ReplayPolicy
     cache_format: str
+    numerics: str
 
     def traced(self) -> tuple:
         """The positional traced arguments of `generate_loop` after `(cfg, params)`."""
@@ -94,7 +95,7 @@ class Plan(NamedTuple):
     def static(self) -> dict:
         """The static keyword arguments of `generate_loop`."""
         return dict(capacity=self.capacity, max_new_tokens=self.max_new_tokens, replay=self.replay,
-                    cache_format=self.cache_format)
+                    cache_format=self.cache_format, numerics=self.numerics)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,11 +105,12 @@ def checked_by_plan(**_) -> None:
     """The host check of the generate loops: none, their inputs come from `plan`, which validates them."""
 
 
-@entry_point(checked_by_plan, static_argnames=("cfg", "capacity", "max_new_tokens", "replay", "cache_format"),
+@entry_point(checked_by_plan,
+             static_argnames=("cfg", "capacity", "max_new_tokens", "replay", "cache_format", "numerics"),
              place=dict(params=PARAMS, tokens=ROWS, n_valid=ROWS), out=(ROWS, ROWS, ROWS))
 def generate_loop(cfg: ModelConfig, params: dict, tokens: Array, n_valid: Array, key: Array, eos_id: Array,
                   temperature: Array, top_p: Array, *, capacity: int, max_new_tokens: int,
-                  replay: ReplayPolicy, cache_format: str) -> tuple[Array, Array, State]:
+                  replay: ReplayPolicy, cache_format: str, numerics: str) -> tuple[Array, Array, State]:
     """Prefill `tokens [B, bucket]` (`n_valid [B]` real) and decode up to `max_new_tokens` per row.
 
     Returns (new tokens [B, max_new_tokens], new-token counts [B], state); see the module docstring
@@ -117,7 +119,7 @@ def generate_loop(cfg: ModelConfig, params: dict, tokens: Array, n_valid: Array,
     b = tokens.shape[0]
     draw = functools.partial(sample, temperature=temperature, top_p=top_p)
     state = init_state(cfg, b, capacity, cache_format)
-    logits, state, _ = model.prefill(cfg, params, state, tokens, n_valid, replay)
+    logits, state, _ = model.prefill(cfg, params, state, tokens, n_valid, replay, numerics=numerics)
     key, sub = jax.random.split(key)
     first = draw(logits, sub)
     out = jnp.full((b, max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(first)
@@ -130,7 +132,7 @@ def generate_loop(cfg: ModelConfig, params: dict, tokens: Array, n_valid: Array,
     def step_fn(carry):
         step, state, out, done, lengths, key = carry
         prev = jax.lax.dynamic_index_in_dim(out, step - 1, axis=1, keepdims=False)  # [B]
-        logits, new = model.decode_step(cfg, params, state, prev)
+        logits, new = model.decode_step(cfg, params, state, prev, numerics)
         state = new.replace(length=jnp.where(done, state.length, new.length))  # done rows write scratch only
         key, sub = jax.random.split(key)
         token = jnp.where(done, PAD_ID, draw(logits, sub))
@@ -178,9 +180,10 @@ def _rows(prompts, lengths) -> list[np.ndarray]:
 
 
 def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampling: Sampling = Sampling(),
-         eos_id: int | None = EOS_ID, replay: ReplayPolicy = ReplayPolicy(), cache_format: str = "fp4",
-         seed: int = 0) -> Plan:
-    """Validate a batch and pad it to its buckets; every bad value raises ValueError (field, value, fix)."""
+         eos_id: int | None = EOS_ID, replay: ReplayPolicy = ReplayPolicy(), cache_format: str | None = None,
+         numerics: str = "spec", seed: int = 0) -> Plan:
+    """Validate a batch and pad it to its buckets; every bad value raises ValueError (field, value, fix).
+    `cache_format` None: the cache `numerics` needs ("fp4" for "spec", "float" for "float")."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg: expected a csa2.config.ModelConfig, got {type(cfg).__name__}")
     rows = _rows(prompts, lengths)
@@ -193,6 +196,9 @@ def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampli
     if not isinstance(replay, ReplayPolicy):
         raise ValueError(f"replay={replay!r}: pass a csa2.replay.ReplayPolicy (EXACT for the reference mode)")
     replay.check(cfg)
+    if cache_format is None:
+        cache_format = "float" if numerics == "float" else "fp4"
+    check_numerics(numerics, cache_format)
     if not is_int(seed) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r}: must be an integer in [0, 2**32) (a 32-bit PRNG seed)")
     for i, row in enumerate(rows):
@@ -218,7 +224,7 @@ def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampli
     return Plan(tokens=tokens, n_valid=np.array([row.size for row in rows], np.int32),
                 key=jax.random.PRNGKey(seed), eos_id=NO_EOS if eos_id is None else int(eos_id),
                 temperature=float(sampling.temperature), top_p=float(sampling.top_p), capacity=capacity,
-                max_new_tokens=int(max_new_tokens), replay=replay, cache_format=cache_format)
+                max_new_tokens=int(max_new_tokens), replay=replay, cache_format=cache_format, numerics=numerics)
 
 
 def run(cfg: ModelConfig, params: dict, p: Plan, compiled=None, *, mesh: Mesh | None = None,
@@ -243,12 +249,14 @@ def lower(cfg: ModelConfig, params: dict, p: Plan):
 
 def generate(cfg: ModelConfig, params: dict, prompts: Sequence | np.ndarray, lengths=None, *, max_new_tokens: int,
              sampling: Sampling = Sampling(), eos_id: int | None = EOS_ID, replay: ReplayPolicy = ReplayPolicy(),
-             cache_format: str = "fp4", seed: int = 0) -> GenerateResult:
+             cache_format: str | None = None, numerics: str = "spec", seed: int = 0) -> GenerateResult:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
     `prompts`: a list of 1-D token arrays of any lengths, or a [B, S] array with `lengths [B]`
-    (default S). `eos_id=None` never stops early. `seed` fixes the draws when sampling.
+    (default S). `eos_id=None` never stops early. `seed` fixes the draws when sampling. `numerics`: "spec"
+    (SPEC §8, on the packed FP4/FP8 cache unless `cache_format="float"`) or "float" (the float model on a
+    float cache: the baseline that measures what the FP4/FP8 cache costs).
     """
     p = plan(cfg, prompts, lengths, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, replay=replay,
-             cache_format=cache_format, seed=seed)
+             cache_format=cache_format, numerics=numerics, seed=seed)
     return run(cfg, params, p)

@@ -239,9 +239,10 @@ def _tokens(name: str, tokens) -> np.ndarray:
 
 def prefill(cfg: ModelConfig, params, store: PrefixCache, prompts: Sequence, *, capacity: int,
             replay: ReplayPolicy = ReplayPolicy(), chunk: int = 256,
-            cache_format: str = "fp4") -> tuple[Array, State, dict]:
+            cache_format: str = "fp4", numerics: str = "spec") -> tuple[Array, State, dict]:
     """Prefill `prompts` (a list of 1-D token arrays, one row each) through the store: look each up, restore
-    its hit, feed the rest in chunks of `chunk` columns as one extend per row, insert every prompt.
+    its hit, feed the rest in chunks of `chunk` columns as one extend per row, insert every prompt (`numerics`:
+    `model.prefill`'s).
 
     Returns each row's last logits [B, V], the state (row b at `len(prompts[b])`) and
     `{"hits": [B] hit lengths, "snapshots": [B] bool, "starts": [B] extend starts, "work": token×layer count}`.
@@ -267,7 +268,7 @@ def prefill(cfg: ModelConfig, params, store: PrefixCache, prompts: Sequence, *, 
         for b, prompt in enumerate(prompts):
             cols[b, :n_valid[b]] = prompt[done[b]:done[b] + n_valid[b]]
         out, state, aux = model.prefill(cfg, params, state, jnp.asarray(cols), jnp.asarray(n_valid), replay=replay,
-                                        extend=extend)
+                                        extend=extend, numerics=numerics)
         logits = out if logits is None else jnp.where(jnp.asarray(n_valid > 0)[:, None], out, logits)
         work += int(aux["work"])
         done += n_valid

@@ -2,7 +2,7 @@
 an exact re-prefill of the same tokens, and run into its state's capacity.
 
     python -m infer.soak [--preset tiny] [--tokens 10000] [--check-every 1000] [--prompt-len 64] [--chunk 512]
-                         [--cache-format fp4] [--seed 0] [--checkpoint DIR]
+                         [--numerics spec] [--seed 0] [--checkpoint DIR]
 
 A prompt of `--prompt-len` random bytes is prefilled (exact, in chunks of `--chunk`) into a state whose capacity is
 exactly prompt + `--tokens` (rounded up to the compress ratios); then `decode_step` feeds back its own greedy token
@@ -11,7 +11,8 @@ into a fresh state, and the decode's logits are compared with the re-prefill's l
 re-prefill feeds one token per call as the decode does, and the two are bit for bit equal; with larger chunks
 they reach the same position through programs of other shapes, so they agree to the rounding of the SPEC §8
 numerics (`csa2.state`): FP4/FP8 elements at rounding midpoints flip and top-k selections can follow, and a longer
-context holds more of them. The greedy token must agree. Once the state is full, one more `decode_step` must
+context holds more of them. `--numerics float` runs the float model on a float cache instead (no FP4/FP8 rounding),
+where the two agree to float rounding. The greedy token must agree. Once the state is full, one more `decode_step` must
 refuse with a ValueError naming the capacity, never wrap onto valid entries. Prints one JSON line per check and a
 summary (ring wraps, the largest logit difference, greedy agreement, the capacity error).
 """
@@ -29,27 +30,32 @@ import numpy as np
 
 from csa2 import compile_cache, model
 from csa2.config import ModelConfig
+from csa2.quant import NUMERICS
 from csa2.replay import EXACT, Extend
 from csa2.state import init_state, ring_slots, token_granule
 from infer.pd import random_prompt
 from infer.values import round_up
 
 
-def prefill(cfg: ModelConfig, params, tokens: np.ndarray, capacity: int, chunk: int, cache_format: str):
+def _cache_format(numerics: str) -> str:
+    return "float" if numerics == "float" else "fp4"
+
+
+def prefill(cfg: ModelConfig, params, tokens: np.ndarray, capacity: int, chunk: int, numerics: str):
     """Exact prefill of `tokens` (1-D) in chunks of `chunk` columns into a fresh one-row state: (last logits, state)."""
-    state, last = init_state(cfg, 1, capacity, cache_format), None
+    state, last = init_state(cfg, 1, capacity, _cache_format(numerics)), None
     extend = Extend.cold(jnp.asarray([len(tokens)], jnp.int32))
     for start in range(0, len(tokens), chunk):
         piece = tokens[start:start + chunk]
         cols = np.zeros((1, chunk), np.int32)
         cols[0, :len(piece)] = piece
         last, state, _ = model.prefill(cfg, params, state, jnp.asarray(cols), jnp.asarray([len(piece)], jnp.int32),
-                                       EXACT, extend)
+                                       EXACT, extend, numerics)
     return last, state
 
 
 def soak(cfg: ModelConfig, params, *, tokens: int, check_every: int, prompt_len: int, chunk: int,
-         cache_format: str = "fp4", seed: int = 0, log=print) -> dict:
+         numerics: str = "spec", seed: int = 0, log=print) -> dict:
     """Generate `tokens` greedy tokens after a random prompt, checking every `check_every` against a re-prefill, then
     run one step past the state's capacity. Returns the summary (also logged as the last JSON line)."""
     for name, value in (("tokens", tokens), ("check_every", check_every), ("prompt_len", prompt_len),
@@ -61,14 +67,14 @@ def soak(cfg: ModelConfig, params, *, tokens: int, check_every: int, prompt_len:
         raise ValueError(f"soak: prompt_len + tokens = {prompt_len + tokens} exceeds max_position_embeddings="
                          f"{cfg.max_position_embeddings}; generate fewer tokens")
     prompt = random_prompt(cfg, prompt_len, seed)
-    logits, state = prefill(cfg, params, prompt, capacity, chunk, cache_format)
+    logits, state = prefill(cfg, params, prompt, capacity, chunk, numerics)
     checks, t0, drawn = [], time.perf_counter(), []  # drawn: [1] device arrays, read back only at a check
     for generated in range(1, capacity - prompt_len + 1):
         drawn.append(jnp.argmax(logits, -1).astype(jnp.int32))
-        logits, state = model.decode_step(cfg, params, state, drawn[-1])
+        logits, state = model.decode_step(cfg, params, state, drawn[-1], numerics)
         if generated % check_every == 0 or prompt_len + generated == capacity:
             sequence = np.concatenate([prompt, np.asarray(jnp.concatenate(drawn))])
-            again, _ = prefill(cfg, params, sequence, capacity, chunk, cache_format)
+            again, _ = prefill(cfg, params, sequence, capacity, chunk, numerics)
             a, b = np.asarray(logits[0]), np.asarray(again[0])
             check = {"position": len(sequence), "generated": generated,
                      "ring_wraps": len(sequence) // ring_slots(cfg),
@@ -77,7 +83,7 @@ def soak(cfg: ModelConfig, params, *, tokens: int, check_every: int, prompt_len:
             checks.append(check)
             log(json.dumps(check))
     try:
-        model.decode_step(cfg, params, state, jnp.asarray([0], jnp.int32))
+        model.decode_step(cfg, params, state, jnp.asarray([0], jnp.int32), numerics)
         refusal = None
     except ValueError as err:
         refusal = str(err)
@@ -99,7 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check-every", type=int, default=1_000)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--cache-format", choices=("fp4", "float"), default="fp4")
+    ap.add_argument("--numerics", choices=NUMERICS, default="spec",
+                    help="spec: SPEC §8 FP4/FP8 cache; float: the float model on a float cache")
     ap.add_argument("--seed", type=int, default=0)
     compile_cache.add_argument(ap)
     args = ap.parse_args(argv)
@@ -113,7 +120,7 @@ def main(argv=None) -> int:
             cfg = preset(args.preset)
             params = model.init_params(cfg, jax.random.PRNGKey(args.seed))
         summary = soak(cfg, params, tokens=args.tokens, check_every=args.check_every, prompt_len=args.prompt_len,
-                       chunk=args.chunk, cache_format=args.cache_format, seed=args.seed)
+                       chunk=args.chunk, numerics=args.numerics, seed=args.seed)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

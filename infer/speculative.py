@@ -115,13 +115,13 @@ def _emit(out: Array, count: Array, tokens: Array, n_new: Array) -> Array:
 # The compiled loop
 
 @entry_point(generate.checked_by_plan,
-             static_argnames=("cfg", "capacity", "max_new_tokens", "replay", "cache_format", "widths"),
+             static_argnames=("cfg", "capacity", "max_new_tokens", "replay", "cache_format", "numerics", "widths"),
              place=dict(params=PARAMS, tokens=ROWS, n_valid=ROWS),
              out=(ROWS, ROWS, ROWS, dict(steps=REPLICATED, accepted=ROWS, row_steps=ROWS, position_accepts=ROWS,
                                         position_tries=ROWS, widths=REPLICATED)))
 def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, key: Array, eos_id: Array,
                      temperature: Array, top_p: Array, sps: Array, *, capacity: int, max_new_tokens: int,
-                     replay: ReplayPolicy, cache_format: str, widths: tuple[int, ...]):
+                     replay: ReplayPolicy, cache_format: str, numerics: str, widths: tuple[int, ...]):
     """Prefill `tokens [B, bucket]` and decode speculatively up to `max_new_tokens` per row.
 
     `widths`: the compiled verify widths; one width runs fixed γ = width − 1, several run the confidence
@@ -131,7 +131,7 @@ def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, ke
     """
     b, gamma = tokens.shape[0], cfg.dspark_block_size
     state = init_state(cfg, b, capacity, cache_format)
-    logits, state, _ = model.prefill(cfg, params, state, tokens, n_valid, replay)
+    logits, state, _ = model.prefill(cfg, params, state, tokens, n_valid, replay, numerics=numerics)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, temperature, top_p)
     out = jnp.full((b, max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(first)
@@ -144,7 +144,7 @@ def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, ke
 
     def verify_at(width):
         def run(state, block):
-            logits, new = model.verify(cfg, params, state, block[:, :width])
+            logits, new = model.verify(cfg, params, state, block[:, :width], numerics)
             return jnp.pad(logits, ((0, 0), (0, gamma + 1 - width), (0, 0))), new
         return run
 
@@ -156,7 +156,7 @@ def speculative_loop(cfg: ModelConfig, params, tokens: Array, n_valid: Array, ke
     def step(carry):
         state, out, count, done, anchor, key, stats = carry
         key, k_draft, k_accept = jax.random.split(key, 3)
-        proposal = model.draft(cfg, params, state, anchor, k_draft, temperature, top_p)
+        proposal = model.draft(cfg, params, state, anchor, k_draft, temperature, top_p, numerics)
         if len(widths) == 1:
             which, lengths = jnp.int32(0), jnp.full((b,), widths[0], jnp.int32)
         else:
@@ -209,7 +209,8 @@ def _check_widths(cfg: ModelConfig, widths: tuple[int, ...]) -> tuple[int, ...]:
 def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarray, lengths=None, *,
                          max_new_tokens: int, sampling: generate.Sampling = generate.Sampling(),
                          eos_id: int | None = EOS_ID, replay: ReplayPolicy = ReplayPolicy(),
-                         cache_format: str = "fp4", seed: int = 0, gamma: int | None = None,
+                         cache_format: str | None = None, numerics: str = "spec", seed: int = 0,
+                         gamma: int | None = None,
                          sps: SpsTable | None = None, mesh: Mesh | None = None,
                          rules: Rules | None = None) -> SpecResult:
     """Continue each prompt by up to `max_new_tokens` tokens with DSpark speculative decoding.
@@ -233,7 +234,7 @@ def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarra
     if gamma is not None and sps is not None:
         raise ValueError(f"gamma={gamma} and sps: pass a fixed gamma or an SpsTable for scheduled lengths, not both")
     p = generate.plan(cfg, prompts, lengths, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-                      replay=replay, cache_format=cache_format, seed=seed)
+                      replay=replay, cache_format=cache_format, numerics=numerics, seed=seed)
     most = min(cfg.dspark_block_size, cfg.max_draft)
     if gamma is not None and (not is_int(gamma) or not 0 <= gamma <= most):
         raise ValueError(f"gamma={gamma!r}: drafts per verify must be an integer in [0, {most}] (the drafter proposes "
@@ -255,11 +256,11 @@ def speculative_generate(cfg: ModelConfig, params, prompts: Sequence | np.ndarra
     if capacity > cfg.max_position_embeddings:
         raise ValueError(f"max_new_tokens={max_new_tokens}: the longest prompt + new tokens + a verify block "
                          f"({need} positions) exceeds max_position_embeddings={cfg.max_position_embeddings}")
-    validate_state_args(cfg, len(p.n_valid), capacity, cache_format)
+    validate_state_args(cfg, len(p.n_valid), capacity, p.cache_format)
     loop = speculative_loop if mesh is None else speculative_loop.on(mesh, rules)
     out, count, state, stats = loop(
         cfg, params, *p.traced(), rates, capacity=capacity, max_new_tokens=p.max_new_tokens,
-        replay=drafting_replay(cfg, p.replay), cache_format=p.cache_format, widths=widths)
+        replay=drafting_replay(cfg, p.replay), cache_format=p.cache_format, numerics=p.numerics, widths=widths)
     stats = jax.device_get(stats)
     return SpecResult(tokens=np.asarray(out), lengths=np.asarray(count), state=state, steps=int(stats["steps"]),
                       accepted=stats["accepted"], row_steps=stats["row_steps"],

@@ -82,7 +82,8 @@ def test_the_block_starts_at_length_one_step_after_the_context(mini_params, pref
     `[L − W, L − 1]`; in training a block anchored at a sits at a … a + γ − 1 (the references' anchor_pos + 1)."""
     _, state, anchor = prefilled
     seen = _spy_positions(monkeypatch)
-    dspark.propose(MINI, arrays(mini_params), state, anchor, jax.random.PRNGKey(0), jnp.float32(0), jnp.float32(1))
+    dspark.propose(MINI, arrays(mini_params), state, anchor, jax.random.PRNGKey(0), jnp.float32(0), jnp.float32(1),
+                   quantize=True)
     np.testing.assert_array_equal(seen[0], np.asarray(state.length)[:, None] + np.arange(GAMMA))
     rows = dspark.window_rows(state.length, state.floor, MINI.sliding_window, state.draft.rows)
     context = N - MINI.sliding_window + np.arange(MINI.sliding_window)  # [L − W, L − 1]
