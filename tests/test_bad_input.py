@@ -110,6 +110,9 @@ LIBRARY = [
     ("prompt plus budget beyond the positions", lambda t, m: _plan(max_new_tokens=1 << 20),
      "exceed .* shorten the prompt or lower max_new_tokens"),
     ("prefix store of no records", lambda t, m: _prefix_cache(records=0), "PrefixCache.records=0: use an integer ≥ 1"),
+    ("unknown numerics", lambda t, m: _plan(numerics="half"), "numerics='half': use one of"),
+    ("float numerics on a packed cache", lambda t, m: _plan(numerics="float", cache_format="fp4"),
+     "numerics='float' with cache_format='fp4'"),
     ("checkpoint directory missing", lambda t, m: _restore(t / "none"), "does not exist; train first"),
     ("checkpoint kind unknown", lambda t, m: _restore(t, kind="adapter"), "kind='adapter': a checkpoint holds one of"),
     ("SPS table without rates", lambda t, m: _sps(steps_per_s={}), "SpsTable.steps_per_s=\\{\\}"),
@@ -148,6 +151,7 @@ CLI = [
      "--checkpoint .*/none: no such directory"),
     ("train.bench: batch of zero", "train.bench", lambda t: ["--batch-size", "0"], "must be ≥ 1"),
     ("infer.bench_model: zero reps", "infer.bench_model", lambda t: ["--reps", "0"], "must be ≥ 1"),
+    ("infer.fuzz: odd rows", "infer.fuzz.__main__", lambda t: ["--rows", "3"], "--rows 3"),
 ]
 
 

@@ -284,7 +284,7 @@ def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
 
     Two results amplify last-ulp differences of the partitioned sums, so they are held to what that can cost:
     the cache's SPEC §8 fake-quant can flip a rare element by one FP4 step (a few 1e-4 in the verify logits, as
-    in `test_properties`), and AdamW's second step moves each weight by ~lr·sign(g), so a gradient within
+    in the fuzz harness, `infer.fuzz`), and AdamW's second step moves each weight by ~lr·sign(g), so a gradient within
     rounding of 0 can move its weight by up to 2·lr."""
     env = mesh_lib.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", ENTRY_POINTS], cwd=ROOT, env=env, capture_output=True, text=True,
