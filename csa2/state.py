@@ -180,6 +180,12 @@ class State:
         return self.length.shape[0]
 
 
+def default_cache_format(numerics: str) -> str:
+    """The cache a numerics (`csa2.quant.NUMERICS`) runs on unless told otherwise: the packed SPEC §8 formats for
+    "spec", float32 for "float" (the only one it may use)."""
+    return "float" if numerics == "float" else "fp4"
+
+
 def cache_format(buffer: Stored) -> str:
     """The `CACHE_FORMATS` name of a state buffer's storage: "fp4" when packed, "float" otherwise."""
     return "fp4" if buffer.packed else "float"

@@ -34,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import model
+from csa2.boundary import check_numerics
 from csa2.checks import is_int, tree_bytes
 from csa2.config import ModelConfig
 from csa2.layout import kv_stacks
 from csa2.replay import Extend, ReplayPolicy
-from csa2.state import State, cache_format, capacity, init_state
+from csa2.state import State, cache_format, capacity, default_cache_format, init_state
 from infer.schedule import config_fingerprint
 
 Array = jax.Array
@@ -239,10 +240,10 @@ def _tokens(name: str, tokens) -> np.ndarray:
 
 def prefill(cfg: ModelConfig, params, store: PrefixCache, prompts: Sequence, *, capacity: int,
             replay: ReplayPolicy = ReplayPolicy(), chunk: int = 256,
-            cache_format: str = "fp4", numerics: str = "spec") -> tuple[Array, State, dict]:
+            cache_format: str | None = None, numerics: str = "spec") -> tuple[Array, State, dict]:
     """Prefill `prompts` (a list of 1-D token arrays, one row each) through the store: look each up, restore
     its hit, feed the rest in chunks of `chunk` columns as one extend per row, insert every prompt (`numerics`:
-    `model.prefill`'s).
+    `model.prefill`'s; `cache_format` None: `csa2.state.default_cache_format(numerics)`).
 
     Returns each row's last logits [B, V], the state (row b at `len(prompts[b])`) and
     `{"hits": [B] hit lengths, "snapshots": [B] bool, "starts": [B] extend starts, "work": token×layer count}`.
@@ -250,6 +251,8 @@ def prefill(cfg: ModelConfig, params, store: PrefixCache, prompts: Sequence, *, 
     if not is_int(chunk) or chunk < 1:
         raise ValueError(f"prefill: chunk={chunk!r}: use a positive number of columns")
     prompts = [_tokens(f"prompts[{b}]", p) for b, p in enumerate(prompts)]
+    cache_format = default_cache_format(numerics) if cache_format is None else cache_format
+    check_numerics(numerics, cache_format)
     state = init_state(cfg, len(prompts), capacity, cache_format)
     hits, starts = [], []
     for b, prompt in enumerate(prompts):

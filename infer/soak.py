@@ -32,18 +32,14 @@ from csa2 import compile_cache, model
 from csa2.config import ModelConfig
 from csa2.quant import NUMERICS
 from csa2.replay import EXACT, Extend
-from csa2.state import init_state, ring_slots, token_granule
+from csa2.state import default_cache_format, init_state, ring_slots, token_granule
 from infer.pd import random_prompt
 from infer.values import round_up
 
 
-def _cache_format(numerics: str) -> str:
-    return "float" if numerics == "float" else "fp4"
-
-
 def prefill(cfg: ModelConfig, params, tokens: np.ndarray, capacity: int, chunk: int, numerics: str):
     """Exact prefill of `tokens` (1-D) in chunks of `chunk` columns into a fresh one-row state: (last logits, state)."""
-    state, last = init_state(cfg, 1, capacity, _cache_format(numerics)), None
+    state, last = init_state(cfg, 1, capacity, default_cache_format(numerics)), None
     extend = Extend.cold(jnp.asarray([len(tokens)], jnp.int32))
     for start in range(0, len(tokens), chunk):
         piece = tokens[start:start + chunk]

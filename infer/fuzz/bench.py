@@ -1,7 +1,9 @@
 """The fixed shapes of a fuzz run and the calls its properties share.
 
 A `Bench` fixes what each program is compiled for: `rows` cases side by side (one per row of every call), chunked
-prefills of `chunk` columns, one-shot prefills of `prompt` columns, a state of `capacity` positions. What a case
+prefills of `chunk` columns, one-shot prefills of `prompt` columns, a state of `capacity` positions. The defaults
+reach what a short prompt would not on `mini`: 48 tokens wrap the 21-slot SWA ring inside one prefill, and hold up
+to 24 ratio-2 and 48 ratio-1 entries, more than `index_topk` = 16, so the sparse selection discards entries. What a case
 draws (prompt lengths, chunk boundaries, accept lengths, forked rows, tokens) is traced data, so a run of thousands
 of cases compiles each program once. Rows never see each other (`csa2.state`: at fixed shapes a row's outputs are
 bitwise independent of the other rows), so a batch is `rows` independent cases.
@@ -45,8 +47,8 @@ class Bench:
     params: Any
     numerics: str = "float"
     rows: int = 8
-    chunk: int = 8
-    prompt: int = 21
+    chunk: int = 16
+    prompt: int = 48
     capacity: int = 64
     mesh: Mesh | None = None
     rules: Rules | None = None
@@ -120,13 +122,15 @@ class Bench:
         return np.asarray(prop.logits), np.asarray(prop.confidence)
 
     def entries(self, state: State) -> list[np.ndarray]:
-        """Every committed Global KV entry per stack, `[B, G, n, D]`, zero beyond each row's `length // ratio`."""
+        """Every committed Global KV entry per stack, Main KV and Indexer K, `[B, G, n, ·]`, zero beyond each row's
+        `length // ratio`."""
         out = []
         for gkv, sources in zip(state.global_kv, kv_stacks(self.cfg)):
-            entries = np.asarray(gkv.kv.payload)
             ratio = self.cfg.compress_ratios[sources[0]]
-            valid = np.arange(entries.shape[2])[None, :] < (np.asarray(state.length) // ratio)[:, None]
-            out.append(np.where(valid[:, None, :, None], entries, 0.0))
+            for stored in (gkv.kv, gkv.ikey):
+                entries = np.asarray(stored.payload)
+                valid = np.arange(entries.shape[2])[None, :] < (np.asarray(state.length) // ratio)[:, None]
+                out.append(np.where(valid[:, None, :, None], entries, 0.0))
         return out
 
     def readout(self, state: State, continuation: np.ndarray) -> list[np.ndarray]:

@@ -21,7 +21,9 @@ from infer import generate as gen, prefix_cache
 from infer.fuzz.bench import CONTINUATION, Bench, differences
 from infer.speculative import speculative_generate
 
-REPLAY_POLICIES = ((3, None), (11, None), (11, 5), (21, None))  # (window R, split layer): each compiles its prefill
+# (window R, split layer), each compiling its prefill: inside one chunk, across chunks, split 5 cutting before a
+# non-compressing layer, and R = the bench's prompt columns (None), which covers every prompt
+REPLAY_POLICIES = ((3, None), (11, None), (11, 5), (None, None))
 BUDGET = 9  # new tokens per generate call (static: one compiled loop); not a multiple of γ + 1, so a verify block
 # can overrun it and must be cut
 PROMPT_BUCKET = 16  # the generate prompts' longest length (one bucket, so one program per budget)
@@ -49,6 +51,7 @@ def chunk_replay(bench: Bench, rng: np.random.Generator) -> np.ndarray:
     """Bounded replay (SPEC §11) of a prompt fed in any chunking with its `Extend.cold` ≡ one call of the same
     policy; with R ≥ N, also bit for bit the exact prefill under the same chunking."""
     window, split = REPLAY_POLICIES[rng.integers(len(REPLAY_POLICIES))]
+    window = bench.prompt if window is None else window
     replay = ReplayPolicy(window=window, split_layer=split)
     lengths, prompts, cont = _lengths(bench, rng), bench.tokens(rng, bench.prompt), bench.tokens(rng, CONTINUATION)
     cuts = bench.cuts(rng, lengths)
@@ -74,16 +77,18 @@ def commit(bench: Bench, rng: np.random.Generator) -> np.ndarray:
     _, state = bench.prefill(bench.empty(), prompts, lengths)
     committed = model.commit(bench.verify(state, block), bench.put(accept), bench.put(bonus))
     _, reference = bench.prefill(state, block, accept)
-    want = np.asarray(model.emitted(block, accept, bonus))
+    want = np.zeros_like(block)  # SPEC §12: accepting R, d1 … dn emits d1 … dn, then the bonus
+    for b, n in enumerate(accept):
+        want[b, :n] = np.append(block[b, 1:n], bonus[b])[:n]
     emitted = np.where(np.arange(width)[None] < accept[:, None], np.asarray(committed.accept.tokens) - want, 0)
     return differences([(emitted, np.zeros_like(emitted)),
                         *zip(bench.readout(committed, cont), bench.readout(reference, cont))])
 
 
 def fork(bench: Bench, rng: np.random.Generator) -> np.ndarray:
-    """A forked row continues as its source row does, and independently of its siblings: `fork(state, rows)` then
-    a continuation where some rows diverge; every other row's logits and drafts equal those of its source row
-    continued alone with the same tokens."""
+    """A forked row continues as its source row does, and independently of its siblings: `fork(state, rows)` (rows
+    drawn with repeats) then a continuation where some rows diverge; every other row's readout equals its source
+    row's in the unforked batch continued with the same tokens."""
     lengths, prompts = _lengths(bench, rng), bench.tokens(rng, bench.prompt)
     rows = rng.integers(0, bench.rows, bench.rows).astype(np.int32)
     base = bench.tokens(rng, CONTINUATION)
@@ -106,19 +111,21 @@ def prefix_hit(bench: Bench, rng: np.random.Generator) -> np.ndarray:
     snapshots = bench.rows if rng.random() < 0.5 else 0
 
     def serve(store, batch, policy):
-        logits, state, _ = prefix_cache.prefill(bench.cfg, bench.params, store, batch, capacity=bench.capacity,
-                                                replay=policy, chunk=bench.chunk, cache_format="float",
-                                                numerics=bench.numerics)
-        return np.asarray(logits), state
+        logits, state, info = prefix_cache.prefill(bench.cfg, bench.params, store, batch, capacity=bench.capacity,
+                                                   replay=policy, chunk=bench.chunk, cache_format="float",
+                                                   numerics=bench.numerics)
+        return np.asarray(logits), state, info
 
     def store(snapshots):
         return prefix_cache.PrefixCache(bench.cfg, records=2 * bench.rows, snapshots=snapshots, block=bench.capacity)
 
     warm = store(snapshots)
     serve(warm, [row[:h] for row, h in zip(rows, hits)], replay)
-    logits, hit = serve(warm, rows, replay)
-    cold_logits, cold = serve(store(0), rows, EXACT)
-    return differences([(logits, cold_logits), *zip(bench.readout(hit, cont), bench.readout(cold, cont))])
+    logits, hit, info = serve(warm, rows, replay)
+    cold_logits, cold, _ = serve(store(0), rows, EXACT)
+    errors = differences([(logits, cold_logits), *zip(bench.readout(hit, cont), bench.readout(cold, cont))])
+    missed = (info["hits"] != hits) | (info["snapshots"] != bool(snapshots))  # each row must really hit
+    return np.where(missed, np.inf, errors)
 
 
 def verify_scratch(bench: Bench, rng: np.random.Generator) -> np.ndarray:

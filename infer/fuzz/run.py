@@ -12,12 +12,16 @@ import numpy as np
 from infer.fuzz.bench import Bench
 from infer.fuzz.properties import Property
 
+RARE = 0.01  # the most cases FP4/FP8 midpoint flips may explain: more is a bug of the SPEC §8 path itself
+
 
 class Report(NamedTuple):
     """A property's run: `cases` checked, `violations` beyond `tolerance` (0 for a bitwise property), of them
     `explained` by the reference numerics (the same draws under the float numerics held to float rounding, so
     the difference came from FP4/FP8 rounding alone), the largest difference seen, how many cases differed at
-    all, the time, and the first unexplained failing batch (None: none)."""
+    all, the time, and the first unexplained failing batch (None: none). It holds when every violation is
+    explained and they are rare (at most `RARE` of the cases): a bug in the SPEC §8 path alone would hold under
+    the float numerics too, but it would not stay rare."""
 
     property: str
     numerics: str
@@ -32,7 +36,7 @@ class Report(NamedTuple):
 
     @property
     def holds(self) -> bool:
-        return self.violations == self.explained
+        return self.violations == self.explained <= RARE * self.cases
 
     def line(self) -> str:
         verdict = "ok" if self.holds else f"FAILED (first: {self.first_failure})"
@@ -48,10 +52,12 @@ def rng_for(seed: int, prop: str, batch: int) -> np.random.Generator:
 
 
 def run(bench: Bench, prop: Property, cases: int, seed: int = 0, first_batch: int = 0,
-        reference: Bench | None = None, log=None) -> Report:
-    """Draw batches of `prop` from batch `first_batch` on until at least `cases` cases are checked. With a
-    `reference` bench (the float numerics), a batch with violations is drawn again there: a violating case that
-    holds there to its tolerance is explained by the numerics `bench` adds."""
+        reference: Bench | None = None, until_failure: bool = False, log=None) -> Report:
+    """Draw batches of `prop` from batch `first_batch` on until at least `cases` cases are checked (with
+    `until_failure`, or until a batch fails). With a `reference` bench (the float numerics), a batch with
+    violations of a property that is not bitwise is drawn again there: a violating case that holds there to its
+    tolerance is explained by the numerics `bench` adds (a bitwise property compares programs of one shape, which
+    agree under either numerics, so nothing explains its violations)."""
     if cases < 1:
         raise ValueError(f"cases={cases}: run at least one case")
     tolerance = 0.0 if prop.bitwise else bench.tolerance
@@ -62,7 +68,7 @@ def run(bench: Bench, prop: Property, cases: int, seed: int = 0, first_batch: in
         checked = errors[~np.isnan(errors)]
         bad = checked > tolerance
         failing = errors > tolerance  # NaN (not a case) compares False
-        if bad.any() and reference is not None:
+        if bad.any() and reference is not None and not prop.bitwise:
             again = prop.check(reference, rng_for(seed, prop.name, batch))
             failing &= ~(again <= (0.0 if prop.bitwise else reference.tolerance))
             explained += int(bad.sum()) - int(failing.sum())
@@ -75,6 +81,8 @@ def run(bench: Bench, prop: Property, cases: int, seed: int = 0, first_batch: in
         batch += 1
         if log is not None:
             log(f"  {prop.name}: {done}/{cases} cases, {violations} violations, largest {largest:.3g}")
+        if until_failure and first is not None:
+            break
     return Report(property=prop.name, numerics=bench.numerics, cases=done, violations=violations,
                   explained=explained, tolerance=tolerance, largest=largest, differing=differing,
                   seconds=round(time.perf_counter() - t0, 1), first_failure=first)

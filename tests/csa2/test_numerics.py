@@ -9,7 +9,7 @@ import pytest
 
 from csa2 import model
 from csa2.presets import preset
-from csa2.quant import MAIN, WINDOW, fake_quant
+from csa2.quant import INDEX, MAIN, WINDOW, fake_quant
 from csa2.state import init_state
 from infer import generate as gen
 from infer.speculative import speculative_generate
@@ -45,16 +45,17 @@ def test_float_numerics_decode_equals_the_float_forward(mini_params):
 
 
 def test_spec_numerics_store_grid_values_and_float_numerics_do_not(mini_params):
-    """Under "spec" every stored Main KV and window entry is a fixed point of its format's fake-quant (what the
-    packed cache holds); under "float" almost none is."""
+    """Under "spec" every stored Main KV, Indexer K, SWA window and drafter context entry is a fixed point of its
+    format's fake-quant (what the packed cache holds); under "float" almost none is."""
     prompt = jax.random.randint(jax.random.PRNGKey(4), (2, 20), 0, 256, jnp.int32)
     on_grid = {}
     for numerics in ("spec", "float"):
         _, state = _decode(mini_params, prompt, 19, numerics)
-        main = state.global_kv[0].kv.payload[:, :, :10]  # the ratio-2 stack's 10 complete entries
-        swa = state.swa.payload
-        on_grid[numerics] = [float(jnp.mean(fake_quant(x, fmt) == x)) for x, fmt in ((main, MAIN), (swa, WINDOW))]
-    assert on_grid["spec"] == [1.0, 1.0]
+        ratio2 = state.global_kv[0]  # the ratio-2 stack's 10 complete entries
+        stored = ((ratio2.kv.payload[:, :, :10], MAIN), (ratio2.ikey.payload[:, :, :10], INDEX),
+                  (state.swa.payload, WINDOW), (state.draft.payload[:, :, :20], WINDOW))
+        on_grid[numerics] = [float(jnp.mean(fake_quant(x, fmt) == x)) for x, fmt in stored]
+    assert on_grid["spec"] == [1.0] * 4
     assert max(on_grid["float"]) < 0.1
 
 

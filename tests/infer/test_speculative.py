@@ -175,7 +175,8 @@ SAMPLED_PROMPT = np.tile(np.asarray([3, 5], np.int32), (ROWS, 1))
 # Verify widths 2 and 3 (at most 2 of γ = 5 drafts) at rates under which the two steps run one width each, with
 # per-row lengths 1, 2 and 3 (the confidences of `small_params` differ per row).
 SMALL_TABLE = SpsTable(widths=(2, 3), steps_per_s={ROWS: (30.0, 27.0)}, meta={"config": config_fingerprint(SMALL)})
-SPEC_STATIC = ("capacity", "max_new_tokens", "replay", "cache_format", "widths")  # `speculative_loop`'s, after cfg
+# `speculative_loop`'s static arguments, after cfg
+SPEC_STATIC = ("capacity", "max_new_tokens", "replay", "cache_format", "numerics", "widths")
 
 
 @pytest.fixture(scope="module")
