@@ -2,8 +2,9 @@
 
 Each property draws one batch from `rng`, a case per row, and returns each row's largest difference from its
 reference `[B]` (NaN for a row that is not a case of this batch). A `bitwise` property compares programs of the
-same shapes, so its reference must match exactly (difference 0); the others compare programs of different chunk
-shapes and hold to the bench's tolerance (`bench.FLOAT_TOLERANCE` under the float numerics).
+same shapes, so its reference must match exactly (difference 0); the others compare different programs (other chunk
+shapes, verify against prefill, a mesh) and hold to the bench's tolerance (`bench.FLOAT_TOLERANCE` under the float
+numerics).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from infer.speculative import speculative_generate
 REPLAY_POLICIES = ((3, None), (11, None), (11, 5), (None, None))
 BUDGET = 9  # new tokens per generate call (static: one compiled loop); not a multiple of γ + 1, so a verify block
 # can overrun it and must be cut
-PROMPT_BUCKET = 16  # the generate prompts' longest length (one bucket, so one program per budget)
+PROMPT_BUCKET = 16  # the generate prompts' longest length (one bucket, so one compiled loop)
 
 
 class Property(NamedTuple):

@@ -12,7 +12,9 @@ import numpy as np
 from infer.fuzz.bench import Bench
 from infer.fuzz.properties import Property
 
-RARE = 0.01  # the most cases FP4/FP8 midpoint flips may explain: more is a bug of the SPEC §8 path itself
+# The share of cases FP4/FP8 midpoint flips may explain (or one case): more is a bug of the SPEC §8 path itself.
+# Seen: 0.4–0.9 % of the cross-shape properties' cases on `mini`.
+RARE = 0.05
 
 
 class Report(NamedTuple):
@@ -20,8 +22,8 @@ class Report(NamedTuple):
     `explained` by the reference numerics (the same draws under the float numerics held to float rounding, so
     the difference came from FP4/FP8 rounding alone), the largest difference seen, how many cases differed at
     all, the time, and the first unexplained failing batch (None: none). It holds when every violation is
-    explained and they are rare (at most `RARE` of the cases): a bug in the SPEC §8 path alone would hold under
-    the float numerics too, but it would not stay rare."""
+    explained and they are rare (at most `RARE` of the cases, or one): a bug in the SPEC §8 path alone would hold
+    under the float numerics too, but it would not stay rare."""
 
     property: str
     numerics: str
@@ -36,7 +38,7 @@ class Report(NamedTuple):
 
     @property
     def holds(self) -> bool:
-        return self.violations == self.explained <= RARE * self.cases
+        return self.violations == self.explained <= max(1.0, RARE * self.cases)
 
     def line(self) -> str:
         verdict = "ok" if self.holds else f"FAILED (first: {self.first_failure})"
