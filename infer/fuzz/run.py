@@ -72,7 +72,7 @@ def run(bench: Bench, prop: Property, cases: int, seed: int = 0, first_batch: in
         failing = errors > tolerance  # NaN (not a case) compares False
         if bad.any() and reference is not None and not prop.bitwise:
             again = prop.check(reference, rng_for(seed, prop.name, batch))
-            failing &= ~(again <= (0.0 if prop.bitwise else reference.tolerance))
+            failing &= ~(again <= reference.tolerance)
             explained += int(bad.sum()) - int(failing.sum())
         if failing.any() and first is None:
             first = {"seed": seed, "batch": batch, "rows": np.flatnonzero(failing).tolist(),
