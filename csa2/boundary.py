@@ -25,7 +25,7 @@ from csa2.config import ModelConfig
 from csa2.mesh import REPLICATED, ROWS, Placement, Rules, check_rules, replicated, rows, use_rules
 from csa2.quant import NUMERICS
 from csa2.replay import Extend, ReplayPolicy
-from csa2.state import State, capacity
+from csa2.state import State, capacity, default_cache_format
 
 Array = jax.Array
 
@@ -227,6 +227,14 @@ def check_numerics(numerics, cache_format: str) -> None:
     if numerics == "float" and cache_format != "float":
         raise ValueError(f"numerics='float' with cache_format={cache_format!r}: the float model stores float "
                          "values; use cache_format='float' (init_state(..., cache_format='float'))")
+
+
+def resolve_cache_format(numerics, cache_format: str | None) -> str:
+    """The cache a call that builds its own state runs on: `cache_format`, or `numerics`' default
+    (`csa2.state.default_cache_format`) when None; checked against `numerics`."""
+    cache_format = default_cache_format(numerics) if cache_format is None else cache_format
+    check_numerics(numerics, cache_format)
+    return cache_format
 
 
 def check_token_ids(cfg: ModelConfig, tokens, n_valid=None) -> None:

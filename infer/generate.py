@@ -32,14 +32,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from csa2 import model
-from csa2.boundary import check_numerics, entry_point
+from csa2.boundary import entry_point, resolve_cache_format
 from csa2.checks import is_int, is_number
 from csa2.config import ModelConfig
 from csa2.mesh import PARAMS, ROWS, Rules
 from csa2.presets import EOS_ID, PAD_ID
 from csa2.replay import ReplayPolicy
 from csa2.sampling import sample
-from csa2.state import State, default_cache_format, init_state, token_granule, validate_state_args
+from csa2.state import State, init_state, token_granule, validate_state_args
 from infer.values import pow2, round_up
 
 Array = jax.Array
@@ -196,8 +196,7 @@ def plan(cfg: ModelConfig, prompts, lengths=None, *, max_new_tokens: int, sampli
     if not isinstance(replay, ReplayPolicy):
         raise ValueError(f"replay={replay!r}: pass a csa2.replay.ReplayPolicy (EXACT for the reference mode)")
     replay.check(cfg)
-    cache_format = default_cache_format(numerics) if cache_format is None else cache_format
-    check_numerics(numerics, cache_format)
+    cache_format = resolve_cache_format(numerics, cache_format)
     if not is_int(seed) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r}: must be an integer in [0, 2**32) (a 32-bit PRNG seed)")
     for i, row in enumerate(rows):

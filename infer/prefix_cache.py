@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import model
-from csa2.boundary import check_numerics
+from csa2.boundary import resolve_cache_format
 from csa2.checks import is_int, tree_bytes
 from csa2.config import ModelConfig
 from csa2.layout import kv_stacks
 from csa2.replay import Extend, ReplayPolicy
-from csa2.state import State, cache_format, capacity, default_cache_format, init_state
+from csa2.state import State, cache_format, capacity, init_state
 from infer.schedule import config_fingerprint
 
 Array = jax.Array
@@ -251,8 +251,7 @@ def prefill(cfg: ModelConfig, params, store: PrefixCache, prompts: Sequence, *, 
     if not is_int(chunk) or chunk < 1:
         raise ValueError(f"prefill: chunk={chunk!r}: use a positive number of columns")
     prompts = [_tokens(f"prompts[{b}]", p) for b, p in enumerate(prompts)]
-    cache_format = default_cache_format(numerics) if cache_format is None else cache_format
-    check_numerics(numerics, cache_format)
+    cache_format = resolve_cache_format(numerics, cache_format)
     state = init_state(cfg, len(prompts), capacity, cache_format)
     hits, starts = [], []
     for b, prompt in enumerate(prompts):

@@ -105,8 +105,8 @@ class Bench:
         for k in range(tokens.shape[1]):
             logits, state = self._entry(model.decode_step)(self.cfg, self.params, state, self.put(tokens[:, k]),
                                                            self.numerics)
-            out.append(np.asarray(logits))
-        return np.stack(out, 1)
+            out.append(logits)
+        return np.asarray(jnp.stack(out, 1))  # read back once, not per step
 
     def verify(self, state: State, block: np.ndarray) -> State:
         """The speculative state of `model.verify` of `block [B, γ+1]` on a copy of `state`."""
