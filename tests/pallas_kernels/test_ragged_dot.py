@@ -44,6 +44,18 @@ def test_every_implementation_matches_the_reference(impl, name):
     assert not np.any(np.asarray(ops.ragged_dot(lhs, rhs, sizes, impl=impl))[past:])  # rows past the groups: 0
 
 
+def test_tiles_in_several_blocks_match_the_reference(monkeypatch):
+    """Blocks of 5 tiles (the released MoE's matrices make blocks of one tile): scanned blocks, the last one padded,
+    the backward pass gathering each block's matrices again, still the reference's values and gradients."""
+    lhs, rhs, sizes = _case("tiles")
+    monkeypatch.setattr(grouped, "BLOCK_ELEMENTS", 5 * rhs.shape[1] * rhs.shape[2])
+    m = grouped.tile_rows(lhs.shape[0], sizes.shape[0])
+    n_tiles = (lhs.shape[0] + (m - 1) * sizes.shape[0]) // m
+    assert grouped.tiles_per_block(n_tiles, rhs.shape[1] * rhs.shape[2]) == 5 and n_tiles % 5  # blocks, one padded
+    assert _error(grouped.ragged_dot, "tiles") <= 1e-4
+    assert grouped.tiles_per_block(10, 1 << 30) == 1 and grouped.tiles_per_block(10, 1) == 10
+
+
 def test_auto_tiles_large_groups_only():
     assert ops.ragged_dot_impl(6, 4) == "xla" and ops.ragged_dot_impl(512, 5) == "tiled"
     assert grouped.tile_rows(512, 5) == 16 and grouped.tile_rows(6, 4) == 1
