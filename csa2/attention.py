@@ -47,14 +47,15 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
         d, h, dh, g, std = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.initializer_range
-        self.wq_a = normal(rngs, (d, cfg.q_lora_rank), std, ("embed", "q_lora"))
+        self.wq_a = normal(rngs, (d, cfg.q_lora_rank), std, ("embed", "q_lora"), compute=True)
         self.q_norm = ones((cfg.q_lora_rank,), ("q_lora",))
-        self.wq_b = normal(rngs, (cfg.q_lora_rank, h * dh), std, ("q_lora", "heads"))
-        self.wkv = normal(rngs, (d, dh), std, ("embed", "latent"))
+        self.wq_b = normal(rngs, (cfg.q_lora_rank, h * dh), std, ("q_lora", "heads"), compute=True)
+        self.wkv = normal(rngs, (d, dh), std, ("embed", "latent"), compute=True)
         self.kv_norm = ones((dh,), ("latent",))
         self.sink = zeros((h,), ("heads",))
-        self.wo_a = normal(rngs, (g, h // g * dh, cfg.o_lora_rank), std, ("o_groups", "o_group_in", "o_lora"))
-        self.wo_b = normal(rngs, (g * cfg.o_lora_rank, d), std, ("o_lora_all", "embed"))
+        self.wo_a = normal(rngs, (g, h // g * dh, cfg.o_lora_rank), std, ("o_groups", "o_group_in", "o_lora"),
+                           compute=True)
+        self.wo_b = normal(rngs, (g * cfg.o_lora_rank, d), std, ("o_lora_all", "embed"), compute=True)
         if spec.role == "full":
             self.compressor = Compressor(cfg, spec.ratio, rngs)
         if spec.role in ("full", "reindex"):
@@ -104,10 +105,11 @@ def grouped_output(cfg: ModelConfig, params: dict, o: Array) -> Array:
     """Heads → `o_groups` groups, per-group `W_oa[g]`, concat, `W_ob` (SPEC §3). o [B, S, H, D] → [B, S, d]."""
     b, s, h, dh = o.shape
     g = cfg.o_groups
-    grouped = o.reshape(b, s, g, h // g * dh)
-    mid = jnp.einsum("bsgi,gio->bsgo", grouped.astype(cfg.dtype), params["wo_a"].astype(cfg.dtype),
+    # Groups lead ([G, B·S, ·]): XLA:CPU runs no bfloat16 batched matmul whose batch axis sits inside the operands.
+    grouped = jnp.moveaxis(o.reshape(b * s, g, h // g * dh), 1, 0)
+    mid = jnp.einsum("gti,gio->gto", grouped.astype(cfg.dtype), params["wo_a"].astype(cfg.dtype),
                      preferred_element_type=jnp.float32)
-    return linear(mid.reshape(b, s, g * cfg.o_lora_rank), params["wo_b"], cfg.dtype)
+    return linear(jnp.moveaxis(mid, 0, 1).reshape(b, s, g * cfg.o_lora_rank), params["wo_b"], cfg.dtype)
 
 
 def attention(cfg: ModelConfig, spec: LayerSpec, params: dict, x: Array, kv: LayerKV, bus: Bus, ctx: Context,

@@ -21,7 +21,8 @@ class Context:
     the SPEC §8 numerics (False: the float model); instrument: what every Global-reading layer reads and what
     every layer taps (`csa2.hooks`); entries: the call's largest Global KV source (`hooks.Sight.entries`);
     split, decoder_floor: from layer `split` on (the decoder, SPEC §11), no window entry below `decoder_floor
-    [B]` is read; before it, none below `chunk.floor` (`window_floor`)."""
+    [B]` is read; before it, none below `chunk.floor` (`window_floor`); remat: what the backward pass keeps of
+    each layer (`csa2.remat`; "none" outside training)."""
 
     chunk: Chunk
     history: Array | None
@@ -32,6 +33,7 @@ class Context:
     entries: int
     split: int
     decoder_floor: Array
+    remat: str = "none"
 
     def window_floor(self, layer: Array | int) -> Array:
         """The first position layer `layer` (may be traced) may read in its window `[B]`."""

@@ -96,12 +96,12 @@ class Drafter(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, r, v, std = cfg.hidden_size, cfg.dspark_markov_rank, cfg.vocab_size, cfg.initializer_range
         n_t = len(cfg.dspark_target_layer_ids)
-        self.main_proj = normal(rngs, (n_t * d, d), std, ("draft_features", "embed"))
+        self.main_proj = normal(rngs, (n_t * d, d), std, ("draft_features", "embed"), compute=True)
         self.main_norm = ones((d,), ("embed",))
         self.stages = nnx.List([DraftStage(cfg, i, rngs) for i in range(cfg.num_nextn_predict_layers)])
         self.norm = ones((d,), ("embed",))
         self.markov_embed = normal(rngs, (v, r), std, ("vocab", "markov"))
-        self.markov_head = normal(rngs, (r, v), std, ("markov", "vocab"))
+        self.markov_head = normal(rngs, (r, v), std, ("markov", "vocab"), compute=True)
         self.confidence = normal(rngs, (d + r,), std, ("draft_confidence",))
 
 

@@ -283,7 +283,7 @@ class Engram(nnx.Module):
                                         PackedRows(std, hd, "scale"))
         else:
             self.table = table
-        self.wkv = normal(rngs, (n_tables(cfg) * hd, (hc + 1) * d), std, ("engram_in", "engram_out"))
+        self.wkv = normal(rngs, (n_tables(cfg) * hd, (hc + 1) * d), std, ("engram_in", "engram_out"), compute=True)
         self.q_weight = ones((hc, d), ("streams", "embed"))
         self.k_weight = ones((hc, d), ("streams", "embed"))
 

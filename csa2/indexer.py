@@ -43,9 +43,9 @@ class Indexer(nnx.Module):
     """Indexer query projection `wq [q_lora_rank, Hi·Di]` and head weights `ww [d, Hi]` (SPEC §5)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        heads = cfg.index_n_heads * cfg.index_head_dim
-        self.wq = normal(rngs, (cfg.q_lora_rank, heads), cfg.initializer_range, ("q_lora", "index_heads"))
-        self.ww = normal(rngs, (cfg.hidden_size, cfg.index_n_heads), cfg.initializer_range, ("embed", "index_n"))
+        heads, std = cfg.index_n_heads * cfg.index_head_dim, cfg.initializer_range
+        self.wq = normal(rngs, (cfg.q_lora_rank, heads), std, ("q_lora", "index_heads"), compute=True)
+        self.ww = normal(rngs, (cfg.hidden_size, cfg.index_n_heads), std, ("embed", "index_n"), compute=True)
 
 
 @chex.dataclass(frozen=True)

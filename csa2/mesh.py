@@ -33,6 +33,15 @@ naming the array, the axis and the fix. The MoE's expert-parallel `shard_map` (`
 on `expert` and their width on `tensor`, so a table may map `experts` only to `expert` (or None) and `mlp` only
 to `tensor` (or None).
 
+**FSDP.** A rules table may also name, under the key `FSDP` (`"fsdp"`), a mesh axis over which every parameter
+splits as well (`with_fsdp(rules)`: over `data`, as MaxText and Megatron train this family): each parameter's
+largest dimension that its own rules leave whole, that is not a stacking axis (`groups`, `layers`: the scanned
+stack iterates them) and that the axis divides. A parameter with no such dimension stays whole over that axis.
+Optimizer moments follow their parameters, so AdamW's state splits the same way. Inside the scanned stack each
+layer's parameters are gathered whole over the FSDP axis where the layer starts (`gather_fsdp`), so a layer's
+matmuls see whole weights and its gradients go back to their shards (a reduce-scatter, or an all-reduce and a
+slice where a backend lowers it so); only one layer's gathered weights are live at a time.
+
 How an entry point's arguments are placed is named by a **placement** per argument (`ROWS`, `REPLICATED`,
 `PARAMS`, or a function of the same form): a function `(value, mesh, rules, what) → shardings` of the value's
 pytree. `csa2.boundary.EntryPoint.on(mesh, rules)` compiles an entry point with them.
@@ -52,6 +61,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "tensor", "expert")
 Rules = Mapping[str, str | tuple[str, ...] | None]
+FSDP = "fsdp"  # the rules entry naming the mesh axis every parameter also splits over (absent or None: no FSDP)
+_STACKING = ("groups", "layers")  # the scanned stack's axes: FSDP never splits them
 
 _REPLICATED = ("embed", "q_lora", "latent", "o_group_in", "o_lora", "index_dim", "hc_in", "hc_mix", "hc_scales",
                "engram_dim", "engram_scales", "engram_in", "engram_out", "streams", "draft_features", "markov",
@@ -97,8 +108,21 @@ def rules_for(cfg_name: str) -> dict[str, str | None]:
     return RULES[cfg_name]
 
 
+def with_fsdp(rules: Rules, axis: str = "data") -> dict[str, str | tuple[str, ...] | None]:
+    """`rules` with every parameter (and so its optimizer moments) also split over mesh axis `axis` (module
+    docstring, FSDP)."""
+    out = {**rules, FSDP: axis}
+    check_rules(out)
+    return out
+
+
 def check_rules(rules: Rules) -> None:
-    """The MoE's shard_map reads experts on `expert` and their width on `tensor`: a table must agree."""
+    """The MoE's shard_map reads experts on `expert` and their width on `tensor`: a table must agree. An FSDP
+    entry names one mesh axis."""
+    fsdp = rules.get(FSDP)
+    if fsdp is not None and fsdp not in MESH_AXES:
+        raise ValueError(f"rules: {FSDP!r} → {fsdp!r}; name one mesh axis of {MESH_AXES} (e.g. 'data'), or None "
+                         "for no FSDP")
     for axis, target in _MOE_AXES.items():
         if rules.get(axis) not in (target, None):
             raise ValueError(f"rules: {axis!r} → {rules[axis]!r}, but the MoE's expert-parallel shard_map reads "
@@ -128,6 +152,40 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Ru
                              f"or map {axis!r} to None in the rules")
         out.append(target)
     return PartitionSpec(*out)
+
+
+def parameter_spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh | jax.sharding.AbstractMesh, rules: Rules,
+                   what: str) -> PartitionSpec:
+    """`spec` of a parameter, plus its FSDP split when the rules name an FSDP axis (module docstring): the largest
+    dimension its rules leave whole, not a stacking axis, that the axis divides (the first of equals)."""
+    out = spec(axes, shape, mesh, rules, what)
+    axis = rules.get(FSDP)
+    if axis is None:
+        return out
+    if axis not in mesh.shape:
+        raise ValueError(f"{what}: rule {FSDP!r} → {axis!r}, but the mesh has axes {tuple(mesh.shape)}")
+    if mesh.shape[axis] == 1:
+        return out
+    used = {t for target in out if target is not None for t in ((target,) if isinstance(target, str) else target)}
+    free = [i for i, (name, size, target) in enumerate(zip(axes, shape, out))
+            if target is None and name not in _STACKING and size % mesh.shape[axis] == 0]
+    if axis in used or not free:
+        return out
+    widest = max(free, key=lambda i: shape[i])
+    return PartitionSpec(*(axis if i == widest else target for i, target in enumerate(out)))
+
+
+def gather_fsdp(params, axes):
+    """Inside a trace under a mesh whose rules in use name an FSDP axis: `params` (a layer's, unstacked) constrained
+    to their shardings without it, i.e. gathered whole over the FSDP axis (module docstring); `axes` is the same
+    tree of each leaf's logical axes. Otherwise `params` unchanged."""
+    rules = rules_in_use()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules.get(FSDP) is None or mesh.empty or mesh.shape.get(rules[FSDP], 1) == 1:
+        return params
+    whole = {k: v for k, v in rules.items() if k != FSDP}
+    return jax.tree.map(lambda a, names: jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, spec(names, a.shape, mesh, whole, "gather_fsdp"))), params, axes)
 
 
 # The rules a compiled entry point is being traced with (`EntryPoint.on` sets them next to `jax.set_mesh`), so
@@ -197,8 +255,8 @@ def PARAMS(value: nnx.State, mesh: Mesh, rules: Rules, what: str) -> nnx.State:
     names = nnx.to_pure_dict(nnx.get_partition_spec(value))
 
     def one(path, logical, array):
-        return NamedSharding(mesh, spec(tuple(logical), array.shape, mesh, rules,
-                                        f"{what}: parameter {jax.tree_util.keystr(path)}"))
+        return NamedSharding(mesh, parameter_spec(tuple(logical), array.shape, mesh, rules,
+                                                  f"{what}: parameter {jax.tree_util.keystr(path)}"))
 
     shardings = jax.tree_util.tree_map_with_path(one, names, nnx.to_pure_dict(value),
                                                  is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from csa2 import boundary, dspark, engram_vocab
+from csa2 import boundary, dspark, engram_vocab, remat as remat_lib
 from csa2.boundary import entry_point
 from csa2.chunk import take_rows
 from csa2.config import ModelConfig
@@ -56,7 +56,7 @@ class Model(nnx.Module):
         self.embed = normal(rngs, (v, d), std, ("vocab", "embed"))
         self.groups = nnx.List([stacked_layers(cfg, group, rngs) for group in layer_groups(cfg)])
         self.norm = ones((d,), ("embed",))
-        self.head = normal(rngs, (d, v), std, ("embed", "vocab"))
+        self.head = normal(rngs, (d, v), std, ("embed", "vocab"), compute=True)
         if engram_vocab.has_table(cfg):
             self.engram_vocab = constant(engram_vocab.default_table(cfg), ("vocab",), engram_vocab.CompressedVocab,
                                          engram_vocab.DefaultTable.of(cfg))
@@ -266,8 +266,9 @@ def fork(state: State, rows: Array) -> State:
 # ---------------------------------------------------------------------------------------------
 # Training
 
-def _check_forward(cfg, params, tokens, qat, replay, features, instrument) -> None:
+def _check_forward(cfg, params, tokens, qat, replay, features, instrument, remat) -> None:
     boundary.check_config(cfg)
+    remat_lib.check(remat)
     boundary.check_replay(cfg, replay)
     boundary.check_token_ids(cfg, tokens)
     if features and not cfg.dspark_target_layer_ids:
@@ -278,11 +279,11 @@ def _check_forward(cfg, params, tokens, qat, replay, features, instrument) -> No
     instrument.check(cfg, jnp.shape(tokens), replay)
 
 
-@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "features"),
+@entry_point(_check_forward, static_argnames=("cfg", "qat", "replay", "features", "remat"),
              place=dict(params=PARAMS, tokens=ROWS),
              out=(ROWS, {"load": REPLICATED, "rows": ROWS, "features": ROWS, "tap": REPLICATED}))
 def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = False, replay: ReplayPolicy = EXACT,
-            features: bool = False, instrument: Instrument = OWN_TOPK) -> tuple[Array, dict]:
+            features: bool = False, instrument: Instrument = OWN_TOPK, remat: str = "none") -> tuple[Array, dict]:
     """Teacher-forced logits for training: `tokens [B, S]` → logits of the rows that reach the head
     `[B, T, V]` (T = S in exact mode; the decoder tail under `replay`), and aux outputs
     (`load [L, E]` MoE loads for `update_router_bias`, `rows [B, T]` chunk rows of the logits, with
@@ -293,14 +294,15 @@ def forward(cfg: ModelConfig, params: nnx.State, tokens: Array, *, qat: bool = F
     `research`.
 
     `qat=True` runs the SPEC §8 fake-quant (straight-through) on Main KV, Indexer Q/K and window KV,
-    exactly as inference stores them; `qat=False` is the float model.
+    exactly as inference stores them; `qat=False` is the float model. `remat`: what a backward pass through this
+    call keeps of each layer (`csa2.remat`; the values are the same).
     """
     b, s = tokens.shape
     granule = token_granule(cfg)
     state = init_state(cfg, b, -(-s // granule) * granule, "float")
     p = arrays(params)
     out = stack(cfg, p, state, tokens, jnp.full((b,), s, jnp.int32), replay, quantize=qat, features=features,
-                instrument=instrument)
+                instrument=instrument, remat=remat)
     aux = {"load": out.load, "rows": out.rows}
     if features:
         aux["features"] = out.features

@@ -15,11 +15,12 @@
   `E / expert` experts (and `I / tensor` of their width, the rules' `mlp`) and the tokens of its row shard (the
   rules' `batch`), which every device of the expert and width axes already holds whole (activations are split
   over rows only). So dispatch needs no collective: a device multiplies the (token, slot) pairs routed to its
-  own experts (`lax.ragged_dot` over its local groups) and the combine is one `psum` over expert × width of
-  the per-token sums `[T, d]`. This is the all-gather formulation (tokens already gathered), chosen over a
-  ragged all-to-all because the batch is not split over the expert axis: an all-to-all would only pay when it
-  also split the tokens. The router, the load and the shared expert stay outside, partitioned by GSPMD, so the
-  load (and the aux-loss-free bias update) counts every token of the global batch.
+  own experts (`ops.ragged_dot` "auto" over its local groups, as on one device: in tiles when they are large, so
+  its temporaries scale with the routed rows, not with rows × local experts) and the combine is one `psum` over
+  expert × width of the per-token sums `[T, d]`. This is the all-gather formulation (tokens already gathered),
+  chosen over a ragged all-to-all because the batch is not split over the expert axis: an all-to-all would only
+  pay when it also split the tokens. The router, the load and the shared expert stay outside, partitioned by
+  GSPMD, so the load (and the aux-loss-free bias update) counts every token of the global batch.
 - Aux-loss-free balancing: `bias_update` moves the correction bias against the measured load, outside the
   optimizer; the bias is a `RouterBias` variable, so the optimizer excludes it by type.
 """
@@ -29,11 +30,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from csa2.config import ModelConfig
 from csa2.mesh import Rules, rules_in_use
 from csa2.params import linear, normal, zeros
+from csa2.remat import MOE_ROUTING
 from pallas_kernels import ops
 
 Array = jax.Array
@@ -51,9 +54,9 @@ class SharedExpert(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, i, std = cfg.hidden_size, cfg.moe_intermediate_size, cfg.initializer_range
-        self.w1 = normal(rngs, (d, i), std, ("embed", "mlp"))
-        self.w3 = normal(rngs, (d, i), std, ("embed", "mlp"))
-        self.w2 = normal(rngs, (i, d), std, ("mlp", "embed"))
+        self.w1 = normal(rngs, (d, i), std, ("embed", "mlp"), compute=True)
+        self.w3 = normal(rngs, (d, i), std, ("embed", "mlp"), compute=True)
+        self.w2 = normal(rngs, (i, d), std, ("mlp", "embed"), compute=True)
 
 
 class MoE(nnx.Module):
@@ -65,9 +68,9 @@ class MoE(nnx.Module):
         self.router = normal(rngs, (d, e), std, ("embed", "experts"))
         self.bias = zeros((e,), ("experts",), RouterBias)
         self.bias_vl = zeros((e,), ("experts",), RouterBias)
-        self.w1 = normal(rngs, (e, d, i), std, ("experts", "embed", "mlp"))
-        self.w3 = normal(rngs, (e, d, i), std, ("experts", "embed", "mlp"))
-        self.w2 = normal(rngs, (e, i, d), std, ("experts", "mlp", "embed"))
+        self.w1 = normal(rngs, (e, d, i), std, ("experts", "embed", "mlp"), compute=True)
+        self.w3 = normal(rngs, (e, d, i), std, ("experts", "embed", "mlp"), compute=True)
+        self.w2 = normal(rngs, (e, i, d), std, ("experts", "mlp", "embed"), compute=True)
         if cfg.n_shared_experts:
             self.shared = SharedExpert(cfg, rngs)
 
@@ -165,7 +168,7 @@ def _expert_parallel(cfg: ModelConfig, params: dict, x: Array, weights: Array, e
         # transposes the gather of `weights` into a scatter that puts each row's gradient in the wrong row.
         x, weights = jax.lax.pcast((x, weights), expert, to="varying")
         first = jax.lax.axis_index(expert) * w1.shape[0]
-        y = _local_experts(cfg, x, weights, experts, w1, w3, w2, first, impl="xla")  # partial over `width`
+        y = _local_experts(cfg, x, weights, experts, w1, w3, w2, first, impl="auto")  # partial over `width`
         return jax.lax.psum(y, (expert,) if width is None else (expert, width))
 
     return jax.shard_map(local, mesh=mesh,
@@ -181,6 +184,7 @@ def moe(cfg: ModelConfig, params: dict, x: Array, *, image_mask: Array | None = 
     if dispatch not in _DISPATCH:
         raise ValueError(f"dispatch={dispatch!r}: use one of {_DISPATCH}")
     weights, experts, _ = route(cfg, params, x, image_mask)
+    weights, experts = checkpoint_name((weights, experts), MOE_ROUTING)  # a save point of `csa2.remat`
     flat = x.reshape(-1, cfg.hidden_size)
     mesh = jax.sharding.get_abstract_mesh()
     axes = _expert_axes(rules_in_use(), mesh, flat, cfg) if dispatch == "ragged" else None

@@ -88,15 +88,17 @@ def initialize(declared: nnx.State, key: Array) -> nnx.State:
     return nnx.from_flat_state([(path, v.replace(x)) for (path, v), x in zip(flat, values)])
 
 
-def _declare(kind: type[nnx.Variable], value: Array, axes: Axes, init: Initializer) -> nnx.Variable:
+def _declare(kind: type[nnx.Variable], value: Array, axes: Axes, init: Initializer, **metadata) -> nnx.Variable:
     if len(axes) != value.ndim:
         raise ValueError(f"logical axes {axes} do not match the parameter shape {value.shape}; name every axis")
-    return kind(value, out_sharding=axes, eager_sharding=False, init=init)
+    return kind(value, out_sharding=axes, eager_sharding=False, init=init, **metadata)
 
 
-def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: Axes) -> nnx.Param:
-    """A weight `[..., fan_in, fan_out]` drawn from N(0, std²), float32."""
-    return _declare(nnx.Param, std * jax.random.normal(rngs.params(), shape, jnp.float32), axes, Normal(std))
+def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: Axes, *, compute: bool = False) -> nnx.Param:
+    """A weight `[..., fan_in, fan_out]` drawn from N(0, std²), float32. `compute`: the model reads it only in the
+    compute dtype (`linear` and its kin), which `compute_weights` relies on."""
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return _declare(nnx.Param, value, axes, Normal(std), **({"compute": True} if compute else {}))
 
 
 def ones(shape: tuple[int, ...], axes: Axes) -> nnx.Param:
@@ -118,6 +120,17 @@ def constant(value: Array, axes: Axes, kind: type[nnx.Variable], init: Initializ
 def arrays(params: nnx.State) -> dict[str, Any]:
     """The plain nested dict of arrays the pure functions read (a relabelling, free under jit)."""
     return nnx.to_pure_dict(params)
+
+
+def compute_weights(params: nnx.State, dtype: str) -> nnx.State:
+    """`params` with every weight declared `compute=True` cast to `dtype` (DESIGN §6): the weights the model reads
+    only through a cast to its compute dtype, so with `dtype` the model's compute dtype the forward values are
+    unchanged and only where the cast happens moves (before a layer's weights are gathered or kept for the backward
+    pass, in half the bytes with bfloat16). Everything SPEC keeps in float32 (router, mHC, norms, sinks, compressor,
+    embeddings, Engram tables) is declared without it and stays as it is."""
+    def cast(v):
+        return v.replace(v.get_value().astype(dtype)) if v.get_metadata().get("compute") else v
+    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def linear(x: Array, w: Array, dtype: str) -> Array:

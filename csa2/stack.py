@@ -14,14 +14,17 @@ adds written, and the stack writes it back, the only writer of the `State`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
-from csa2 import cache, engram as engram_lib, engram_vocab, mhc
+from csa2 import cache, engram as engram_lib, engram_vocab, mhc, remat as remat_lib
 from csa2.attention import Attention, attention
 from csa2.chunk import Chunk, take_rows
 from csa2.config import ModelConfig
@@ -30,6 +33,7 @@ from csa2.engram import Engram
 from csa2.hooks import OWN_TOPK, Instrument
 from csa2.indexer import Bus
 from csa2.layout import Group, LayerSpec, kv_address, layer_groups, layer_plan
+from csa2.mesh import gather_fsdp
 from csa2.moe import MoE, moe
 from csa2.norm import rms_norm
 from csa2.params import linear, ones
@@ -71,6 +75,14 @@ def stacked_layers(cfg: ModelConfig, group: Group, rngs: nnx.Rngs) -> nnx.List:
 
 def _maker(cfg: ModelConfig, spec: LayerSpec):
     return lambda rngs: Layer(cfg, spec, rngs)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_axes(cfg: ModelConfig, spec: LayerSpec) -> dict:
+    """The logical axes of every parameter of one (unstacked) layer, in the structure of `layer`'s `p`."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # names only: place nothing
+        names = nnx.get_partition_spec(nnx.state(nnx.eval_shape(lambda: Layer(cfg, spec, nnx.Rngs(0)))))
+    return jax.tree.map(tuple, nnx.to_pure_dict(names), is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def locate(cfg: ModelConfig, layer: int) -> tuple[int, int, int, int]:
@@ -171,6 +183,7 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
     its `Outputs`. At the replay split (`enter`) a Full layer's compressor still sees every row and the rest
     of the layer continues on the tail (`csa2.attention.attention`)."""
     X, state = flow.X, flow.state
+    p = gather_fsdp(p, layer_axes(cfg, spec))  # whole over the FSDP axis, if any (`csa2.mesh`)
     if spec.has_engram:
         with jax.named_scope("engram"):
             hashes = engram_lib.engram_hashes(cfg, spec.index, ctx.history)  # [B, S, columns]
@@ -183,6 +196,7 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
     with jax.named_scope("attention"):
         out, kv, bus, tap = attention(cfg, spec, p["attn"], x, layer_kv(cfg, spec, state, index, slot), flow.bus,
                                       ctx, index, enter)
+        out = checkpoint_name(out, remat_lib.ATTENTION_OUT)
         state = put_layer_kv(cfg, spec, state, index, slot, kv)
     if enter is not None:
         X, pre, post, comb, features = _decoder_rows((X, pre, post, comb, features), enter)
@@ -284,7 +298,7 @@ def _run(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, i
     def body(flow, xs):
         p_l, index = xs
         return layer(cfg, spec, p_l, flow, ctx, index, slot)
-    return _scan(body, flow, (p, indices), indices.shape[0])
+    return _scan(remat_lib.wrap(body, ctx.remat), flow, (p, indices), indices.shape[0])
 
 
 def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Context) -> tuple[Flow, Outputs]:
@@ -325,7 +339,9 @@ def _enter(cfg: ModelConfig, params: dict, split: int, flow: Flow, ctx: Context,
     """The split layer: its compressor on every row, the rest of it on the decoder tail's rows."""
     spec = layer_plan(cfg)[split]
     slot = None if spec.kv_source is None else jnp.int32(kv_address(cfg, spec.kv_source)[1])
-    flow, y = layer(cfg, spec, layer_params(cfg, params, split), flow, ctx, jnp.int32(split), slot, enter=decoder)
+    one = remat_lib.wrap(lambda flow, p: layer(cfg, spec, p, flow, ctx, jnp.int32(split), slot, enter=decoder),
+                         ctx.remat)
+    flow, y = one(flow, layer_params(cfg, params, split))
     return flow, jax.tree.map(lambda a: a[None], y)
 
 
@@ -360,11 +376,11 @@ def largest_source(state: State) -> int:
 
 def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: Array, replay: ReplayPolicy, *,
           quantize: bool, extend: Extend | None = None, features: bool = False,
-          instrument: Instrument = OWN_TOPK) -> StackOut:
+          instrument: Instrument = OWN_TOPK, remat: str = "none") -> StackOut:
     """Every layer on one chunk per row (`tokens [B, S]` at positions `length + j`, `n_valid` real) of
     `extend` (None: the chunk is the whole extend). `features`: also collect the DSpark target features
     of the rows that reach the head (SPEC §12). `instrument`: what every Global-reading layer reads and what
-    every layer taps (`csa2.hooks`).
+    every layer taps (`csa2.hooks`). `remat`: what a training backward pass keeps of each layer (`csa2.remat`).
 
     Exact mode (every row through every layer) is one pass over the layers, the decoder's from the split on
     reading above the rows' decoder floor. Bounded replay has three segments: before the split every row runs;
@@ -386,7 +402,7 @@ def stack(cfg: ModelConfig, params: dict, state: State, tokens: Array, n_valid: 
                 if features else None)
     ctx = Context(chunk=chunk, history=history, rows=None, written_from=written_from, quantize=quantize,
                   instrument=instrument, entries=largest_source(state), split=replay.split(cfg),
-                  decoder_floor=state.floor)
+                  decoder_floor=state.floor, remat=remat)
     groups = layer_groups(cfg)
     if replay.exact:
         flow, y = _run_units(cfg, params, _units(groups, 0, cfg.num_hidden_layers), flow, ctx)

@@ -9,17 +9,18 @@ import argparse
 import dataclasses
 import sys
 
-from csa2 import compile_cache
+from csa2 import compile_cache, remat
 from csa2.presets import PRESETS, preset
 from train import longctx
 from train.data import load_corpus
 from train.loop import evaluate, train
-from train.step import TrainConfig
+from train.step import DTYPE_POLICIES, TrainConfig
 
 RECIPES = ("longctx",)
 _TRAIN_FIELDS = {"steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "warmup": "warmup",
                  "index_loss_weight": "index_loss_weight", "dense_warmup": "dense_warmup_steps",
-                 "replay_window": "replay_window", "seed": "seed", "qat_from": "qat_from"}  # flag → TrainConfig field
+                 "replay_window": "replay_window", "seed": "seed", "qat_from": "qat_from", "remat": "remat",
+                 "dtype_policy": "dtype_policy"}  # flag → TrainConfig field
 # The only flags a --recipe run takes: the recipe fixes everything else.
 _RECIPE_FLAGS = ("out", "quiet", "float", "compile_cache")
 
@@ -44,6 +45,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dense-warmup", type=int, default=None, help="steps of dense indexer KL before sparse (SPEC §13)")
     p.add_argument("--replay-window", type=int, default=None, help="train on the SPEC §11 decoder tail of R tokens")
     p.add_argument("--seed", type=int, default=None, help=f"(default {d.seed})")
+    p.add_argument("--remat", default=None, choices=remat.POLICIES,
+                   help=f"what the backward pass keeps of each layer (csa2.remat; default {d.remat})")
+    p.add_argument("--dtype-policy", default=None, choices=DTYPE_POLICIES,
+                   help=f"bfloat16: bf16 weights and compute on float32 master weights (default {d.dtype_policy})")
     p.add_argument("--save-every", type=int, default=None,
                    help="also checkpoint every N steps (default: only at the end), the steps a killed run resumes from")
     p.add_argument("--quiet", action="store_true", default=None, help="no JSON line per step on stdout")

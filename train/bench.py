@@ -1,18 +1,22 @@
 """`python -m train.bench`: compile seconds and step time of `train_step` (DESIGN §5, §8).
 
     python -m train.bench [--config tiny] [--batch-size 4] [--seq-len 128] [--steps 5] [--float] [--mesh data=8]
+                          [--remat layer] [--dtype-policy bfloat16]
 
 One JSON line per measurement with the machine and the config (the `infer.bench_model` reporter):
 `compile` (lower and compile seconds of the jitted update) and `train_step` (median step seconds
 after compilation, tokens per second). `--mesh` also times the step sharded on that mesh
 (`train_step.on(mesh, rules)`; on simulated CPU devices when this process has fewer) and prints
 `train_step_sharded` with its ratio to the one-device step measured in the same run: on CPU devices
-that share the cores, the ratio shows the partitioning's overhead, not a speed-up.
+that share the cores, the ratio shows the partitioning's overhead, not a speed-up. `--remat POLICY` also
+times the step with that rematerialization policy (`csa2.remat`) and prints `train_step_remat` with its ratio
+to the step without it, measured in the same run. `--dtype-policy` sets both steps' policy.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -21,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import compile_cache, mesh as mesh_lib
+from csa2 import compile_cache, mesh as mesh_lib, remat
 from csa2.presets import PRESETS, preset
 from infer.bench_model import Reporter, config_info, machine_info
 from train.plan import parse_mesh, rerun_with_devices
-from train.step import TrainConfig, init_train_state, train_state_shardings, train_step
+from train.step import DTYPE_POLICIES, TrainConfig, init_train_state, train_state_shardings, train_step
 
 
 def _median_step(step, state, batch, steps: int) -> float:
@@ -48,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the compiled first one")
     ap.add_argument("--float", action="store_true", help="ablation: float forward (default: SPEC §8 fake-quant)")
     ap.add_argument("--mesh", default=None, help="also time the step sharded on this mesh, e.g. data=8")
+    ap.add_argument("--remat", default=None, choices=remat.POLICIES[1:],
+                    help="also time the step with this remat policy (csa2.remat)")
+    ap.add_argument("--dtype-policy", default="float32", choices=DTYPE_POLICIES)
     compile_cache.add_argument(ap, fallback=False)
     args = ap.parse_args(argv)
     compile_cache.enable_cli(ap, args.compile_cache, fallback=False)
@@ -65,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     cfg = preset(args.config)
     qat = not args.float
-    tc = TrainConfig(steps=args.steps + 1, batch_size=args.batch_size, seq_len=args.seq_len)
+    tc = TrainConfig(steps=args.steps + 1, batch_size=args.batch_size, seq_len=args.seq_len,
+                     dtype_policy=args.dtype_policy)
     rep = Reporter(machine_info(), {**config_info(args.config, cfg), "batch": args.batch_size, "seq_len": args.seq_len})
     state = init_train_state(cfg, tc)
     rng = np.random.default_rng(0)
@@ -80,7 +88,15 @@ def main(argv: list[str] | None = None) -> int:
              total_s=round(t2 - t0, 3))
     med = _median_step(step, state, batch, args.steps)
     rep.emit("train_step", qat=qat, steps=args.steps, median_step_s=round(med, 4),
-             tokens_per_s=round(args.batch_size * args.seq_len / med, 1))
+             tokens_per_s=round(args.batch_size * args.seq_len / med, 1), dtype_policy=tc.dtype_policy)
+    if args.remat is not None:
+        rc = dataclasses.replace(tc, remat=args.remat)
+        t0 = time.perf_counter()
+        step = train_step.lower(cfg, rc, init_train_state(cfg, rc), *batch, qat=qat).compile()
+        compile_s = time.perf_counter() - t0
+        rematted = _median_step(step, init_train_state(cfg, rc), batch, args.steps)
+        rep.emit("train_step_remat", qat=qat, remat=args.remat, compile_s=round(compile_s, 3), steps=args.steps,
+                 median_step_s=round(rematted, 4), vs_no_remat=round(rematted / med, 3))
     if shape is not None:
         try:
             mesh = mesh_lib.make_mesh(shape, jax.devices()[:devices])

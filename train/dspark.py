@@ -71,15 +71,17 @@ import optax
 from flax import nnx
 
 from csa2 import dspark, model
+from csa2.boundary import entry_point
 from csa2.checkpoints import native as checkpoint
 from csa2.checks import is_static_int
 from csa2.config import ModelConfig
+from csa2.mesh import PARAMS, REPLICATED, ROWS
 from csa2.params import arrays
 from csa2.presets import BOS_ID
 from train.data import batches
 from train.distill import continuations, pool_batches
 from train.loop import Trainee, figure, host, run
-from train.step import TrainState, optimizer
+from train.step import TrainState, optimizer, train_state_shardings
 
 Array = jax.Array
 
@@ -292,11 +294,20 @@ def init_state(cfg: ModelConfig, dc: DSparkTrainConfig, drafter: nnx.State | Non
                       step=jnp.zeros((), jnp.int32), rng=jax.random.fold_in(jax.random.PRNGKey(dc.seed), 1))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dc"), donate_argnames=("state",))
+def _check_step(cfg, dc, state, backbone, tokens) -> None:
+    if not isinstance(state, TrainState):
+        raise ValueError(f"state: expected a train.step.TrainState of the drafter, got {type(state).__name__}")
+    if jnp.ndim(tokens) != 2:
+        raise ValueError(f"tokens.shape={jnp.shape(tokens)}: give a [B, S] token array")
+
+
+@entry_point(_check_step, static_argnames=("cfg", "dc"), donate_argnames=("state",),
+             place=dict(state=train_state_shardings, backbone=PARAMS, tokens=ROWS), out=("state", REPLICATED))
 def dspark_step(cfg: ModelConfig, dc: DSparkTrainConfig, state: TrainState, backbone: nnx.State,
                 tokens: Array) -> tuple[TrainState, dict]:
     """One update of the drafter (`state.params`) on `tokens [B, S]` with the step's anchors; the backbone is read,
-    never changed."""
+    never changed. `dspark_step.on(mesh, rules)` is the step compiled for a mesh, placed as `train.step.train_step`
+    (the drafter's parameters and moments by the rules, the backbone's by the rules, the rows over `data`)."""
     anchors = sample_anchors(jax.random.fold_in(state.rng, state.step), tokens, dc.anchors)
     (loss, metrics), grads = jax.value_and_grad(lambda d: losses(cfg, dc, d, backbone, tokens, anchors),
                                                 has_aux=True)(state.params)

@@ -6,11 +6,20 @@ carrying their shardings (`csa2.mesh`, `csa2.sharding`), the two steps are lower
 (`model.decode_step.on(mesh, rules)`, `train_step.on(mesh, rules)`), and the figures come from the shardings (bytes each
 device holds) and from the compiled programs' memory analysis (arguments, outputs, donated aliases, temporaries),
 next to the collectives the partitioner put in each program. A mesh needs as many devices as it names; when
-this process has fewer, the command runs itself again on that many simulated CPU devices, so the
-temporaries are XLA:CPU's buffer assignment (an accelerator's fusion differs; the held bytes do not). In
-particular XLA:CPU lowers `lax.ragged_dot` densely, each local expert over every routed row (E/expert times
-the output), so the MoE's temporaries, and most of the train step's (kept for the backward pass), are far
-above what a grouped-matmul kernel on an accelerator needs.
+this process has fewer, the command runs itself again on that many simulated CPU devices.
+
+The train step is planned as it would run: `--fsdp` splits parameters and AdamW moments over `data` as well
+(`csa2.mesh.with_fsdp`; decode keeps the plain rules), `--remat` chooses what the backward pass keeps
+(`csa2.remat`), `--dtype-policy bfloat16` runs bf16 weights and compute on float32 masters. `--fit` plans a
+v41_flash-sized step on the meshes of `FIT_MESHES` (one row of `--seq-len` tokens per data shard) in order and
+names the smallest whose train step peaks under `--budget-gb` (default 141, an H200).
+
+The held bytes (parameters, optimizer state, request state) are what any backend holds. The temporaries are
+XLA:CPU's buffer assignment of the XLA reference paths: the MoE's grouped matmul works in tiles (the routed rows'
+size, `pallas_kernels.grouped`), but the reference sparse attention and indexer gather every query's selected
+entries at once (e.g. `[4096, 640, 512]` float32 per layer at 4096 tokens), which the Pallas kernels of an
+accelerator read in blocks without materializing. So on v41_flash the train step's temporaries are an upper
+bound of an accelerator's, and the held bytes are exact.
 
 It lives in `train` because it compiles the train step (`csa2` does not import `train`).
 """
@@ -28,12 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa2 import mesh as mesh_lib, model, sharding, state as state_lib
+from csa2 import mesh as mesh_lib, model, remat, sharding, state as state_lib
 from csa2.config import ENGRAM_TABLE_FORMATS, ModelConfig
 from csa2.presets import PRESETS, preset
 from csa2.state import CACHE_FORMATS
-from train.step import TrainConfig, init_train_state, train_state_shardings, train_step
+from train.step import DTYPE_POLICIES, TrainConfig, init_train_state, train_state_shardings, train_step
 
+FIT_MESHES = ({"data": 2, "tensor": 8, "expert": 16}, {"data": 4, "tensor": 8, "expert": 16},
+              {"data": 8, "tensor": 8, "expert": 16})  # `--fit`: the meshes to try, smallest first
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _ENV = "CSA2_PLAN_DEVICES"  # set in the re-run, so it never re-runs itself twice
@@ -56,9 +67,12 @@ class Program:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Bytes per device of what a mesh holds (`params`, `opt_state`, `state`) and of the two steps."""
+    """Bytes per device of what a mesh holds and of the two steps: `params` as decode holds them (by the rules
+    without FSDP), `train_params` and `opt_state` as training holds them (by the rules, FSDP included), `state`
+    the request state."""
     mesh: dict[str, int]
     params: int
+    train_params: int
     opt_state: int
     state: int
     decode: Program
@@ -96,38 +110,42 @@ def _placed(tree, shardings):
 
 def plan(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: mesh_lib.Rules, context: int, batch: int, seq_len: int,
          cache_format: str = "fp4", tc: TrainConfig = TrainConfig()) -> Plan:
-    """Compile `decode_step` (a `batch`-row state of `context` tokens) and `train_step` (`batch` × `seq_len`)
-    for `mesh` from shapes alone and measure them."""
+    """Compile `decode_step` (a `batch`-row state of `context` tokens) and `train_step` (`batch` × `seq_len`, with
+    `tc`'s remat and dtype policies) for `mesh` from shapes alone and measure them. An FSDP entry in `rules`
+    (`csa2.mesh.with_fsdp`) splits the train step's parameters and moments; decode places them without it."""
     for name, value in (("context", context), ("batch", batch), ("seq_len", seq_len)):
         if value < 1:
             raise ValueError(f"{name}={value}: must be ≥ 1")
     mesh_lib.check_batch(batch, mesh, "batch")
     row = mesh_lib.rows(mesh, rules)
-    params = _placed(model.abstract_params(cfg), sharding.param_state_shardings(cfg, mesh, rules))
+    serving = {k: v for k, v in rules.items() if k != mesh_lib.FSDP}
+    params = _placed(model.abstract_params(cfg), sharding.param_state_shardings(cfg, mesh, serving))
     abstract = state_lib.abstract_state(cfg, batch, context, cache_format)
     state = _placed(abstract, sharding.state_shardings(abstract, mesh))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=row)
-    decode = _program(model.decode_step.on(mesh, rules).lower(cfg, params, state, tokens).compile())
+    decode = _program(model.decode_step.on(mesh, serving).lower(cfg, params, state, tokens).compile())
     abstract_train = jax.eval_shape(lambda: init_train_state(cfg, tc))
     train_state = _placed(abstract_train, train_state_shardings(abstract_train, mesh, rules))
     batch_tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=row)
     train = _program(train_step.on(mesh, rules).lower(cfg, tc, train_state, batch_tokens, batch_tokens).compile())
-    return Plan(mesh=dict(mesh.shape), params=held_bytes(params), opt_state=held_bytes(train_state.opt_state),
-                state=held_bytes(state), decode=decode, train=train)
+    return Plan(mesh=dict(mesh.shape), params=held_bytes(params), train_params=held_bytes(train_state.params),
+                opt_state=held_bytes(train_state.opt_state), state=held_bytes(state), decode=decode, train=train)
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.3f} MB"
 
 
-def report(name: str, p: Plan, context: int, batch: int, seq_len: int, cache_format: str) -> str:
-    """The plan as a table (per device; GB = 1e9 bytes, MB = 1e6)."""
+def report(name: str, p: Plan, context: int, batch: int, seq_len: int, cache_format: str,
+           training: str = "") -> str:
+    """The plan as a table (per device; GB = 1e9 bytes, MB = 1e6). `training`: how the train step was set up
+    (FSDP, remat and dtype policies), for the header."""
     mesh = " × ".join(f"{a}={n}" for a, n in p.mesh.items())
     rows = [
         f"plan: {name} on mesh {mesh} ({int(np.prod(list(p.mesh.values())))} devices); decode: batch {batch}, "
-        f"{cache_format} state of {context:,} tokens; train: batch {batch} × {seq_len} tokens, AdamW",
+        f"{cache_format} state of {context:,} tokens; train: batch {batch} × {seq_len} tokens, AdamW{training}",
         "per device                          decode step     train step",
-        f"  parameters (held)             {_gb(p.params):>14} {_gb(p.params):>14}",
+        f"  parameters (held)             {_gb(p.params):>14} {_gb(p.train_params):>14}",
         f"  optimizer state (held)        {'':>14} {_gb(p.opt_state):>14}",
         f"  request state (held)          {_gb(p.state):>14} {'':>14}",
         f"  program arguments             {_gb(p.decode.arguments):>14} {_gb(p.train.arguments):>14}",
@@ -135,7 +153,7 @@ def report(name: str, p: Plan, context: int, batch: int, seq_len: int, cache_for
         f"  donated (outputs in place)    {_gb(p.decode.aliased):>14} {_gb(p.train.aliased):>14}",
         f"  temporaries                   {_gb(p.decode.temporaries):>14} {_gb(p.train.temporaries):>14}",
         f"  peak (args + out − donated + temp) {_gb(p.decode.peak):>9} {_gb(p.train.peak):>14}",
-        "  (temporaries: XLA:CPU's, whose dense ragged_dot overstates the MoE's; see train.plan)",
+        "  (temporaries: XLA:CPU's buffer assignment of the XLA reference paths; see train.plan)",
         "collectives in the compiled programs (a scanned body's ops count once)",
     ]
     for op in COLLECTIVES:
@@ -162,23 +180,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", default="fp4", choices=CACHE_FORMATS, dest="cache_format")
     parser.add_argument("--engram-table", default=None, choices=ENGRAM_TABLE_FORMATS,
                         help="Engram tables in float (trainable; the preset's default) or as released FP8 rows")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="also split every parameter and its AdamW moments over data (csa2.mesh.with_fsdp)")
+    parser.add_argument("--remat", default="none", choices=remat.POLICIES, help="what the backward pass keeps")
+    parser.add_argument("--dtype-policy", default="float32", choices=DTYPE_POLICIES,
+                        help="bfloat16: bf16 weights and compute on float32 master weights")
+    parser.add_argument("--fit", action="store_true",
+                        help="plan the meshes of FIT_MESHES in order (batch = data) and name the smallest that fits")
+    parser.add_argument("--budget-gb", type=float, default=141.0, help="device memory for --fit (default: H200)")
     args = parser.parse_args(argv)
     try:
-        shape = parse_mesh(args.mesh)
-        devices = int(np.prod(list(shape.values())))
+        shapes = list(FIT_MESHES) if args.fit else [parse_mesh(args.mesh)]
+        devices = max(int(np.prod(list(shape.values()))) for shape in shapes)
         code = rerun_with_devices("train.plan", argv, devices)
         if code is not None:
             return code
-        mesh = mesh_lib.make_mesh(shape, jax.devices()[:devices])
         cfg = preset(args.preset)
         cfg = cfg if args.engram_table is None else cfg.replace(engram_table_format=args.engram_table)
-        p = plan(cfg, mesh, mesh_lib.rules_for(args.preset), args.context, args.batch, args.seq_len,
-                 args.cache_format)
+        rules = mesh_lib.rules_for(args.preset)
+        rules = mesh_lib.with_fsdp(rules) if args.fsdp else rules
+        tc = TrainConfig(remat=args.remat, dtype_policy=args.dtype_policy)
+        training = f"; fsdp {'on' if args.fsdp else 'off'}, remat {args.remat}, dtype policy {args.dtype_policy}"
+        for shape in shapes:
+            n = int(np.prod(list(shape.values())))
+            mesh = mesh_lib.make_mesh(shape, jax.devices()[:n])
+            batch = mesh.shape["data"] if args.fit else args.batch
+            p = plan(cfg, mesh, rules, args.context, batch, args.seq_len, args.cache_format, tc)
+            print(report(f"{args.preset} (Engram tables: {cfg.engram_table_format})", p, args.context, batch,
+                         args.seq_len, args.cache_format, training), flush=True)
+            if args.fit and p.train.peak <= args.budget_gb * 1e9:
+                print(f"fits: the train step peaks at {_gb(p.train.peak)} ≤ {args.budget_gb:g} GB per device on "
+                      f"{n} devices ({', '.join(f'{a}={k}' for a, k in shape.items())})")
+                return 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report(f"{args.preset} (Engram tables: {cfg.engram_table_format})", p, args.context, args.batch,
-                 args.seq_len, args.cache_format))
+    if args.fit:
+        print(f"fits on none of the {len(shapes)} meshes: the train step peaks above {args.budget_gb:g} GB per "
+              "device on each (XLA:CPU temporaries; see the module docstring)")
     return 0
 
 

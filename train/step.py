@@ -23,14 +23,18 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from csa2 import model
+from csa2 import model, remat as remat_lib
 from csa2.boundary import entry_point
 from csa2.config import ModelConfig
 from csa2.index_loss import IndexLoss
 from csa2.mesh import PARAMS, REPLICATED, ROWS, Rules, replicated
+from csa2.params import compute_weights
 from csa2.replay import EXACT, ReplayPolicy
 
 Array = jax.Array
+
+
+DTYPE_POLICIES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,8 @@ class TrainConfig:
     bias_rate: float = 1e-3
     qat_from: int | None = 0  # from this step on, SPEC §8 fake-quant (straight-through); None = float (ablation)
     replay_window: int | None = None  # train on the decoder tail of SPEC §11 (None = every position)
+    remat: str = "none"  # what the backward pass keeps of each layer (`csa2.remat`): "none", "layer", "attention_moe"
+    dtype_policy: str = "float32"  # "bfloat16": bf16 weights and compute on float32 master weights (`policy_forward`)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -60,6 +66,10 @@ class TrainConfig:
         if self.qat_from is not None and not 0 <= self.qat_from < self.steps:
             raise ValueError(f"TrainConfig.qat_from={self.qat_from}: use a step in [0, steps={self.steps}) "
                              "(0 = SPEC §8 numerics throughout), or None to train in float")
+        remat_lib.check(self.remat, "TrainConfig.remat")
+        if self.dtype_policy not in DTYPE_POLICIES:
+            raise ValueError(f"TrainConfig.dtype_policy={self.dtype_policy!r}: use one of {DTYPE_POLICIES} "
+                             "('float32': the model's own compute dtype, float32 weights)")
         if self.replay_window is not None and self.replay_window < 1:
             raise ValueError(f"TrainConfig.replay_window={self.replay_window}: use ≥ 1, or None for no replay")
 
@@ -125,6 +135,17 @@ def init_train_state(cfg: ModelConfig, tc: TrainConfig) -> TrainState:
     return TrainState(params=params, opt_state=optimizer(tc).init(params), step=jnp.zeros((), jnp.int32), rng=rng)
 
 
+def policy_forward(cfg: ModelConfig, tc: TrainConfig, params: nnx.State) -> tuple[ModelConfig, nnx.State]:
+    """The config and weights the forward pass runs with under `tc.dtype_policy`. "float32": as given (weights
+    float32, the config's compute dtype). "bfloat16": compute dtype bfloat16 and the compute weights cast to it
+    (`csa2.params.compute_weights`; SPEC's float32 parameters and scopes stay float32). The cast sits inside the
+    differentiated function, so gradients come back float32 to the float32 weights the optimizer holds (master
+    weights), and on a model whose compute dtype is already bfloat16 the two policies give the same values."""
+    if tc.dtype_policy == "float32":
+        return cfg, params
+    return cfg.replace(dtype="bfloat16"), compute_weights(params, "bfloat16")
+
+
 def _index_layers(cfg: ModelConfig) -> int:
     return max(1, len(cfg.index_source_layer_ids))
 
@@ -145,7 +166,7 @@ def losses(cfg: ModelConfig, tc: TrainConfig, params: nnx.State, inputs: Array, 
     """(total, aux): LM cross-entropy (weighted by `weights [B, L]`, uniform when None) on the rows that reach
     the head, plus the weighted indexer KL."""
     logits, aux = model.forward(cfg, params, inputs, qat=qat, replay=tc.replay,
-                                instrument=IndexLoss("dense" if dense else "sparse"))
+                                instrument=IndexLoss("dense" if dense else "sparse"), remat=tc.remat)
     rows = aux["rows"]  # [B, T]: all rows, or the decoder tail under replay
     mask = jnp.ones(rows.shape, jnp.float32) if weights is None else jnp.take_along_axis(weights, rows, axis=1)
     lm = token_loss(logits, jnp.take_along_axis(targets, rows, axis=1), mask)
@@ -190,9 +211,12 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
     `qat`: the SPEC §8 fake-quant forward (False = the float ablation). `metrics["loss"]` is the weighted mean.
     """
     trained, fixed = nnx.split_state(state.params, nnx.Param, ...)  # only Params are differentiated
-    (_, aux), grads = jax.value_and_grad(
-        lambda p: losses(cfg, tc, nnx.merge_state(p, fixed), inputs, targets, weights, dense, qat),
-        has_aux=True)(trained)
+
+    def loss(p):
+        run_cfg, run_params = policy_forward(cfg, tc, nnx.merge_state(p, fixed))
+        return losses(run_cfg, tc, run_params, inputs, targets, weights, dense, qat)
+
+    (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(trained)
     grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, fixed))  # zeros where the optimizer leaves alone
     updates, opt_state = optimizer(tc).update(grads, state.opt_state, state.params)
     params = model.update_router_bias(cfg, optax.apply_updates(state.params, updates), aux["load"], tc.bias_rate)
