@@ -17,9 +17,11 @@ names the smallest whose train step peaks under `--budget-gb` (default 141, an H
 The held bytes (parameters, optimizer state, request state) are what any backend holds. The temporaries are
 XLA:CPU's buffer assignment of the XLA reference paths: the MoE's grouped matmul works in tiles (the routed rows'
 size, `pallas_kernels.grouped`), but the reference sparse attention and indexer gather every query's selected
-entries at once (e.g. `[4096, 640, 512]` float32 per layer at 4096 tokens), which the Pallas kernels of an
-accelerator read in blocks without materializing. So on v41_flash the train step's temporaries are an upper
-bound of an accelerator's, and the held bytes are exact.
+entries at once (at 4096 tokens per row: `[4096, 16384, 128]` float32 indexer keys, 34 GB, and `[4096, 640,
+512]` attention entries, 5.4 GB, per layer), which the Pallas kernels of an accelerator read in blocks without
+materializing. So on v41_flash the train step's temporaries are an upper bound of an accelerator's, and the held
+bytes are exact. The report lists the train step's largest buffers by op scope (`largest_buffers`, read from the
+compiled program), which is how it knows where the temporaries come from.
 
 It lives in `train` because it compiles the train step (`csa2` does not import `train`).
 """
@@ -52,12 +54,14 @@ _ENV = "CSA2_PLAN_DEVICES"  # set in the re-run, so it never re-runs itself twic
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One compiled step's memory analysis (bytes per device) and its collective ops by kind."""
+    """One compiled step's memory analysis (bytes per device), its collective ops by kind and its largest
+    buffers: (bytes, shape, op scope) of the biggest value each op scope materializes, largest first."""
     arguments: int
     outputs: int
     aliased: int  # outputs written into donated arguments
     temporaries: int
     collectives: dict[str, int]
+    largest: tuple[tuple[int, str, str], ...] = ()
 
     @property
     def peak(self) -> int:
@@ -96,12 +100,39 @@ def held_bytes(tree) -> int:
                for a in jax.tree.leaves(tree))
 
 
+_VALUE = re.compile(r'^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(.*?op_name="([^"]+)"', re.M)
+_NOT_BUFFERS = ("parameter", "bitcast", "get-tuple-element", "tuple")
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "s16": 2, "u16": 2, "f16": 2,
+              "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_SCOPE_NOISE = re.compile(r"\b(jit|jvp|transpose)\(|\)|\b(train_step|decode_step|rematted_computation|while|body|"
+                          r"closed_call|checkpoint)/")
+
+
+def largest_buffers(hlo: str, n: int = 6) -> tuple[tuple[int, str, str], ...]:
+    """The `n` op scopes whose biggest value is largest in a compiled program's text (computations that are not
+    fusion bodies; a fusion's inner values are never materialized), as (bytes, shape, scope)."""
+    best: dict[str, tuple[int, str]] = {}
+    for computation in re.split(r"\n(?=\S)", hlo):
+        if "fused" in computation.split("(", 1)[0]:
+            continue
+        for dtype, dims, op, name in _VALUE.findall(computation):
+            if op in _NOT_BUFFERS or dtype not in _HLO_BYTES:
+                continue
+            size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * _HLO_BYTES[dtype]
+            scope = _SCOPE_NOISE.sub("", _SCOPE_NOISE.sub("", name.split(":")[0]))  # wrappers, then their names
+            if size > best.get(scope, (0, ""))[0]:
+                best[scope] = (size, f"{dtype}[{dims}]")
+    ranked = sorted(((size, shape, scope) for scope, (size, shape) in best.items()), reverse=True)
+    return tuple(ranked[:n])
+
+
 def _program(compiled: jax.stages.Compiled) -> Program:
     stats = compiled.memory_analysis()
-    found = _COLLECTIVE.findall(compiled.as_text())
+    text = compiled.as_text()
+    found = _COLLECTIVE.findall(text)
     return Program(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
                    aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
-                   collectives={op: found.count(op) for op in COLLECTIVES})
+                   collectives={op: found.count(op) for op in COLLECTIVES}, largest=largest_buffers(text))
 
 
 def _placed(tree, shardings):
@@ -158,6 +189,8 @@ def report(name: str, p: Plan, context: int, batch: int, seq_len: int, cache_for
     ]
     for op in COLLECTIVES:
         rows.append(f"  {op:<28}  {p.decode.collectives[op]:>14} {p.train.collectives[op]:>14}")
+    rows.append("largest buffers of the train step (biggest value per op scope, from the compiled program)")
+    rows += [f"  {_gb(size):>11}  {shape:<28} {scope}" for size, shape, scope in p.train.largest]
     return "\n".join(rows)
 
 

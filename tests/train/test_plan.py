@@ -72,8 +72,26 @@ def test_the_command_prints_its_table():
     assert text.startswith("plan: mini (Engram tables: float) on mesh data=2 × tensor=2 × expert=2 (8 devices)"), text
     assert "AdamW; fsdp on, remat layer, dtype policy bfloat16" in text.splitlines()[0], text
     for label in ("parameters (held)", "optimizer state (held)", "request state (held)", "temporaries", "peak",
-                  "all-reduce"):
+                  "all-reduce", "largest buffers of the train step"):
         assert label in text, label
+
+
+def test_largest_buffers_reads_materialized_values_only():
+    """A fusion body's values are never materialized and parameters are the held bytes: neither counts; each op
+    scope reports its biggest value, wrappers (jit, jvp, transpose, remat) stripped from the scope."""
+    hlo = textwrap.dedent('''
+        %fused_computation.1 (p: f32[8,8]) -> f32[64,64] {
+          %big = f32[64,64]{1,0} broadcast(%p), metadata={op_name="jit(train_step)/jit(forward)/attention/inner"}
+        }
+        ENTRY %main (a: f32[4,4]) -> f32[16] {
+          %a = f32[4,4]{1,0} parameter(0), metadata={op_name="jit(train_step)/param"}
+          %g = f32[2,3,4]{2,1,0} gather(%a), metadata={op_name="transpose(jvp(jit(forward)))/attention/gather"}
+          %h = bf16[2,3,4]{2,1,0} convert(%g), metadata={op_name="jit(train_step)/jit(forward)/attention/gather"}
+          %k = u8[100]{0} copy(%a), metadata={op_name="jit(train_step)/jit(forward)/squeeze"}
+        }
+    ''')
+    assert plan.largest_buffers(hlo) == ((100, "u8[100]", "forward/squeeze"),
+                                         (96, "f32[2,3,4]", "forward/attention/gather"))
 
 
 @pytest.mark.parametrize("argv, message", [
