@@ -35,12 +35,15 @@ to `tensor` (or None).
 
 **FSDP.** A rules table may also name, under the key `FSDP` (`"fsdp"`), a mesh axis over which every parameter
 splits as well (`with_fsdp(rules)`: over `data`, as MaxText and Megatron train this family): each parameter's
-largest dimension that its own rules leave whole, that is not a stacking axis (`groups`, `layers`: the scanned
-stack iterates them) and that the axis divides. A parameter with no such dimension stays whole over that axis.
-Optimizer moments follow their parameters, so AdamW's state splits the same way. Inside the scanned stack each
-layer's parameters are gathered whole over the FSDP axis where the layer starts (`gather_fsdp`), so a layer's
-matmuls see whole weights and its gradients go back to their shards (a reduce-scatter, or an all-reduce and a
-slice where a backend lowers it so); only one layer's gathered weights are live at a time.
+largest dimension that its own rules leave whole, that the axis divides and that FSDP may split: not a stacking
+axis (`groups`, `layers`: the scanned stack iterates them) and not an Engram table's rows (a layer reads a few
+rows of its table, so gathering the whole table per layer would cost more than splitting it saves). A parameter
+with no such dimension stays whole over that axis. Optimizer moments follow their parameters, so AdamW's state
+splits the same way. Inside the scanned stack each layer's parameters are gathered whole over the FSDP axis
+where the layer starts (`gather_fsdp`), so a layer's matmuls see whole weights and its gradients go back to
+their shards (a reduce-scatter, or an all-reduce and a slice where a backend lowers it so). With a remat policy
+(`csa2.remat`) only one layer's gathered weights are live at a time; without one the backward pass keeps every
+layer's.
 
 How an entry point's arguments are placed is named by a **placement** per argument (`ROWS`, `REPLICATED`,
 `PARAMS`, or a function of the same form): a function `(value, mesh, rules, what) → shardings` of the value's
@@ -62,7 +65,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MESH_AXES = ("data", "tensor", "expert")
 Rules = Mapping[str, str | tuple[str, ...] | None]
 FSDP = "fsdp"  # the rules entry naming the mesh axis every parameter also splits over (absent or None: no FSDP)
-_STACKING = ("groups", "layers")  # the scanned stack's axes: FSDP never splits them
+_NOT_FSDP = ("groups", "layers", "engram_rows")  # never split by FSDP (module docstring)
 
 _REPLICATED = ("embed", "q_lora", "latent", "o_group_in", "o_lora", "index_dim", "hc_in", "hc_mix", "hc_scales",
                "engram_dim", "engram_scales", "engram_in", "engram_out", "streams", "draft_features", "markov",
@@ -157,35 +160,40 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Ru
 def parameter_spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh | jax.sharding.AbstractMesh, rules: Rules,
                    what: str) -> PartitionSpec:
     """`spec` of a parameter, plus its FSDP split when the rules name an FSDP axis (module docstring): the largest
-    dimension its rules leave whole, not a stacking axis, that the axis divides (the first of equals)."""
+    dimension its rules leave whole, that FSDP may split and the axis divides (the first of equals)."""
     out = spec(axes, shape, mesh, rules, what)
     axis = rules.get(FSDP)
     if axis is None:
         return out
     if axis not in mesh.shape:
-        raise ValueError(f"{what}: rule {FSDP!r} → {axis!r}, but the mesh has axes {tuple(mesh.shape)}")
+        raise ValueError(f"{what}: rule {FSDP!r} → {axis!r}, but the mesh has axes {tuple(mesh.shape)}; use a mesh "
+                         f"with a {axis!r} axis, or rules without FSDP")
     if mesh.shape[axis] == 1:
         return out
     used = {t for target in out if target is not None for t in ((target,) if isinstance(target, str) else target)}
     free = [i for i, (name, size, target) in enumerate(zip(axes, shape, out))
-            if target is None and name not in _STACKING and size % mesh.shape[axis] == 0]
+            if target is None and name not in _NOT_FSDP and size % mesh.shape[axis] == 0]
     if axis in used or not free:
         return out
     widest = max(free, key=lambda i: shape[i])
     return PartitionSpec(*(axis if i == widest else target for i, target in enumerate(out)))
 
 
-def gather_fsdp(params, axes):
+def gather_fsdp(params, axes: Callable[[], Any]):
     """Inside a trace under a mesh whose rules in use name an FSDP axis: `params` (a layer's, unstacked) constrained
-    to their shardings without it, i.e. gathered whole over the FSDP axis (module docstring); `axes` is the same
-    tree of each leaf's logical axes. Otherwise `params` unchanged."""
+    to their shardings without it, i.e. gathered whole over the FSDP axis (module docstring); `axes()` gives the
+    same tree of each leaf's logical axes (called only then). Otherwise `params` unchanged."""
     rules = rules_in_use()
     mesh = jax.sharding.get_abstract_mesh()
     if rules.get(FSDP) is None or mesh.empty or mesh.shape.get(rules[FSDP], 1) == 1:
         return params
     whole = {k: v for k, v in rules.items() if k != FSDP}
-    return jax.tree.map(lambda a, names: jax.lax.with_sharding_constraint(
-        a, NamedSharding(mesh, spec(names, a.shape, mesh, whole, "gather_fsdp"))), params, axes)
+
+    def gathered(path, a, names):
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec(
+            names, a.shape, mesh, whole, f"gather_fsdp: parameter {jax.tree_util.keystr(path)}")))
+
+    return jax.tree_util.tree_map_with_path(gathered, params, axes())
 
 
 # The rules a compiled entry point is being traced with (`EntryPoint.on` sets them next to `jax.set_mesh`), so

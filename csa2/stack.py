@@ -183,7 +183,7 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
     its `Outputs`. At the replay split (`enter`) a Full layer's compressor still sees every row and the rest
     of the layer continues on the tail (`csa2.attention.attention`)."""
     X, state = flow.X, flow.state
-    p = gather_fsdp(p, layer_axes(cfg, spec))  # whole over the FSDP axis, if any (`csa2.mesh`)
+    p = gather_fsdp(p, lambda: layer_axes(cfg, spec))  # whole over the FSDP axis, if any (`csa2.mesh`)
     if spec.has_engram:
         with jax.named_scope("engram"):
             hashes = engram_lib.engram_hashes(cfg, spec.index, ctx.history)  # [B, S, columns]
@@ -298,7 +298,8 @@ def _run(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, i
     def body(flow, xs):
         p_l, index = xs
         return layer(cfg, spec, p_l, flow, ctx, index, slot)
-    return _scan(remat_lib.wrap(body, ctx.remat), flow, (p, indices), indices.shape[0])
+    n = indices.shape[0]
+    return _scan(remat_lib.wrap(body, ctx.remat, scanned=n > 1), flow, (p, indices), n)
 
 
 def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Context) -> tuple[Flow, Outputs]:
@@ -340,7 +341,7 @@ def _enter(cfg: ModelConfig, params: dict, split: int, flow: Flow, ctx: Context,
     spec = layer_plan(cfg)[split]
     slot = None if spec.kv_source is None else jnp.int32(kv_address(cfg, spec.kv_source)[1])
     one = remat_lib.wrap(lambda flow, p: layer(cfg, spec, p, flow, ctx, jnp.int32(split), slot, enter=decoder),
-                         ctx.remat)
+                         ctx.remat, scanned=False)
     flow, y = one(flow, layer_params(cfg, params, split))
     return flow, jax.tree.map(lambda a: a[None], y)
 

@@ -206,9 +206,11 @@ def rerun_with_devices(module: str, argv: list[str] | None, devices: int) -> int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="v41_flash", choices=PRESETS)
-    parser.add_argument("--mesh", default="tensor=8,expert=32", help="axis=size,… over data, tensor, expert")
+    parser.add_argument("--mesh", default=None,
+                        help="axis=size,… over data, tensor, expert (default tensor=8,expert=32)")
     parser.add_argument("--context", type=int, default=1 << 20, help="tokens per row of the decode state")
-    parser.add_argument("--batch", type=int, default=1, help="rows of the decode state and of the train batch")
+    parser.add_argument("--batch", type=int, default=None, help="rows of the decode state and of the train batch "
+                        "(default 1)")
     parser.add_argument("--seq-len", type=int, default=4096, help="train sequence length")
     parser.add_argument("--format", default="fp4", choices=CACHE_FORMATS, dest="cache_format")
     parser.add_argument("--engram-table", default=None, choices=ENGRAM_TABLE_FORMATS,
@@ -223,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gb", type=float, default=141.0, help="device memory for --fit (default: H200)")
     args = parser.parse_args(argv)
     try:
-        shapes = list(FIT_MESHES) if args.fit else [parse_mesh(args.mesh)]
+        if args.fit and (args.mesh is not None or args.batch is not None):
+            raise ValueError("--fit plans its own meshes (FIT_MESHES) with one row per data shard; drop --mesh and "
+                             "--batch, or plan one mesh without --fit")
+        shapes = list(FIT_MESHES) if args.fit else [parse_mesh(args.mesh or "tensor=8,expert=32")]
         devices = max(int(np.prod(list(shape.values()))) for shape in shapes)
         code = rerun_with_devices("train.plan", argv, devices)
         if code is not None:
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             n = int(np.prod(list(shape.values())))
             mesh = mesh_lib.make_mesh(shape, jax.devices()[:n])
-            batch = mesh.shape["data"] if args.fit else args.batch
+            batch = mesh.shape["data"] if args.fit else args.batch or 1
             p = plan(cfg, mesh, rules, args.context, batch, args.seq_len, args.cache_format, tc)
             print(report(f"{args.preset} (Engram tables: {cfg.engram_table_format})", p, args.context, batch,
                          args.seq_len, args.cache_format, training), flush=True)

@@ -45,8 +45,8 @@ def test_every_implementation_matches_the_reference(impl, name):
 
 
 def test_tiles_in_several_blocks_match_the_reference(monkeypatch):
-    """Blocks of 5 tiles (the released MoE's matrices make blocks of one tile): scanned blocks, the last one padded,
-    the backward pass gathering each block's matrices again, still the reference's values and gradients."""
+    """Blocks of 5 tiles: scanned blocks, the last one padded, the blocks past the used tiles skipped, the backward
+    pass gathering each block's matrices again, still the reference's values and gradients; no rows, no output."""
     lhs, rhs, sizes = _case("tiles")
     monkeypatch.setattr(grouped, "BLOCK_ELEMENTS", 5 * rhs.shape[1] * rhs.shape[2])
     m = grouped.tile_rows(lhs.shape[0], sizes.shape[0])
@@ -54,6 +54,7 @@ def test_tiles_in_several_blocks_match_the_reference(monkeypatch):
     assert grouped.tiles_per_block(n_tiles, rhs.shape[1] * rhs.shape[2]) == 5 and n_tiles % 5  # blocks, one padded
     assert _error(grouped.ragged_dot, "tiles") <= 1e-4
     assert grouped.tiles_per_block(10, 1 << 30) == 1 and grouped.tiles_per_block(10, 1) == 10
+    assert grouped.ragged_dot(lhs[:0], rhs, sizes * 0).shape == (0, rhs.shape[2])
 
 
 def test_auto_tiles_large_groups_only():

@@ -99,6 +99,7 @@ def test_largest_buffers_reads_materialized_values_only():
     (["--mesh", "model=2"], r"mesh axes \['model'\] are unknown"),
     (["--mesh", "data=2", "--batch", "3"], r"batch: batch 3 does not split over mesh axis 'data' of size 2"),
     (["--mesh", "expert=3"], r"'experts' of size 4 does not split over mesh axis 'expert' of size 3; pick a mesh size"),
+    (["--fit", "--mesh", "data=2"], r"--fit plans its own meshes \(FIT_MESHES\) with one row per data shard"),
 ])
 def test_bad_meshes_are_refused_with_the_fix(argv, message, capfd):
     code = plan.main(["--preset", "mini", "--context", "128", "--seq-len", "16", *argv])
