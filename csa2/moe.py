@@ -15,12 +15,13 @@
   `E / expert` experts (and `I / tensor` of their width, the rules' `mlp`) and the tokens of its row shard (the
   rules' `batch`), which every device of the expert and width axes already holds whole (activations are split
   over rows only). So dispatch needs no collective: a device multiplies the (token, slot) pairs routed to its
-  own experts (`ops.ragged_dot` "auto" over its local groups, as on one device: in tiles when they are large, so
-  its temporaries scale with the routed rows, not with rows × local experts) and the combine is one `psum` over
-  expert × width of the per-token sums `[T, d]`. This is the all-gather formulation (tokens already gathered),
-  chosen over a ragged all-to-all because the batch is not split over the expert axis: an all-to-all would only
-  pay when it also split the tokens. The router, the load and the shared expert stay outside, partitioned by
-  GSPMD, so the load (and the aux-loss-free bias update) counts every token of the global batch.
+  own experts (`ops.ragged_dot` over its local groups, the implementation one device picks for the batch: in
+  tiles when the groups are large, so its temporaries scale with the routed rows, not with rows × local experts)
+  and the combine is one `psum` over expert × width of the per-token sums `[T, d]`. This is the all-gather
+  formulation (tokens already gathered), chosen over a ragged all-to-all because the batch is not split over the
+  expert axis: an all-to-all would only pay when it also split the tokens. The router, the load and the shared
+  expert stay outside, partitioned by GSPMD, so the load (and the aux-loss-free bias update) counts every token
+  of the global batch.
 - Aux-loss-free balancing: `bias_update` moves the correction bias against the measured load, outside the
   optimizer; the bias is a `RouterBias` variable, so the optimizer excludes it by type.
 """
@@ -162,13 +163,15 @@ def _expert_parallel(cfg: ModelConfig, params: dict, x: Array, weights: Array, e
     """The routed experts' sum `[T, d]` float32 with the experts split over `mesh` (the module docstring says
     how): each device runs `_local_experts` on its own experts, one psum combines."""
     expert, width, rows = axes
+    # The implementation one device would pick for the whole batch and every expert, so a mesh computes as it does.
+    impl = ops.ragged_dot_impl(x.shape[0] * weights.shape[1], cfg.n_routed_experts)
 
     def local(x, weights, experts, w1, w3, w2):
         # Varying over the expert axis from the start: left to the implicit cast at the gathers, JAX 0.10.2
         # transposes the gather of `weights` into a scatter that puts each row's gradient in the wrong row.
         x, weights = jax.lax.pcast((x, weights), expert, to="varying")
         first = jax.lax.axis_index(expert) * w1.shape[0]
-        y = _local_experts(cfg, x, weights, experts, w1, w3, w2, first, impl="auto")  # partial over `width`
+        y = _local_experts(cfg, x, weights, experts, w1, w3, w2, first, impl)  # partial over `width`
         return jax.lax.psum(y, (expert,) if width is None else (expert, width))
 
     return jax.shard_map(local, mesh=mesh,

@@ -11,9 +11,7 @@ Each tile reads its group's matrix, so the tiles run in blocks (`tiles_per_block
 block's matrices again rather than keeping them (`jax.checkpoint`). Memory is then the routed rows' plus one
 block's matrices, whatever the number of groups and tiles: at the released MoE's size (384 experts of
 5120 × 2304, 4096 tokens × 6 slots) gathering every tile's matrix at once would hold 1,896 of them (44 GB in
-bfloat16) per weight and layer. Blocks past the last used tile skip their matmul (inside the expert-parallel
-MoE the rows routed to other devices' experts fill no tile, so most blocks are empty there). A small MoE fits in
-one block, computed exactly as one batched matmul.
+bfloat16) per weight and layer. A small MoE fits in one block, computed exactly as one batched matmul.
 """
 
 from __future__ import annotations
@@ -60,17 +58,11 @@ def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
     def one_block(x, groups):  # x [block, m, K], groups [block] → [block, m, N]
         return jnp.einsum("tmk,tkn->tmn", x, rhs[groups], preferred_element_type=jnp.float32)
 
-    def some_block(used, x):  # blocks past the last used tile (rows routed elsewhere, padding) are zeros
-        x, groups, first = x
-        empty = jnp.zeros((block, m, rhs.shape[2]), jnp.float32)
-        return used, jax.lax.cond(first < used, lambda: one_block(x, groups), lambda: empty)
-
     xs = (padded.reshape(n_blocks, block, m, -1), tile_group.reshape(n_blocks, block))
     if n_blocks == 1:
         out = one_block(*jax.tree.map(lambda a: a[0], xs))
     else:
-        firsts = jnp.arange(n_blocks, dtype=tile_end.dtype) * block
-        out = jax.lax.scan(some_block, tile_end[-1], (*xs, firsts))[1]
+        out = jax.lax.scan(lambda carry, x: (carry, one_block(*x)), None, xs)[1]
     return jnp.take(out.reshape(slots, -1), dest, axis=0, mode="fill", fill_value=0.0)
 
 

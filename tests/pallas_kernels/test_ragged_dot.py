@@ -45,8 +45,8 @@ def test_every_implementation_matches_the_reference(impl, name):
 
 
 def test_tiles_in_several_blocks_match_the_reference(monkeypatch):
-    """Blocks of 5 tiles: scanned blocks, the last one padded, the blocks past the used tiles skipped, the backward
-    pass gathering each block's matrices again, still the reference's values and gradients; no rows, no output."""
+    """Blocks of 5 tiles: scanned blocks, the last one padded, the backward pass gathering each block's matrices
+    again, still the reference's values and gradients; no rows, no output."""
     lhs, rhs, sizes = _case("tiles")
     monkeypatch.setattr(grouped, "BLOCK_ELEMENTS", 5 * rhs.shape[1] * rhs.shape[2])
     m = grouped.tile_rows(lhs.shape[0], sizes.shape[0])
