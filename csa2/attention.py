@@ -105,11 +105,12 @@ def grouped_output(cfg: ModelConfig, params: dict, o: Array) -> Array:
     """Heads → `o_groups` groups, per-group `W_oa[g]`, concat, `W_ob` (SPEC §3). o [B, S, H, D] → [B, S, d]."""
     b, s, h, dh = o.shape
     g = cfg.o_groups
-    # Groups lead ([G, B·S, ·]): XLA:CPU runs no bfloat16 batched matmul whose batch axis sits inside the operands.
-    grouped = jnp.moveaxis(o.reshape(b * s, g, h // g * dh), 1, 0)
-    mid = jnp.einsum("gti,gio->gto", grouped.astype(cfg.dtype), params["wo_a"].astype(cfg.dtype),
-                     preferred_element_type=jnp.float32)
-    return linear(jnp.moveaxis(mid, 0, 1).reshape(b, s, g * cfg.o_lora_rank), params["wo_b"], cfg.dtype)
+    grouped = o.reshape(b, s, g, h // g * dh).astype(cfg.dtype)
+    wo_a = params["wo_a"].astype(cfg.dtype)
+    if jax.default_backend() == "cpu":  # XLA:CPU has no bf16 batched matmul with an inner batch axis: the same
+        grouped, wo_a = grouped.astype(jnp.float32), wo_a.astype(jnp.float32)  # products, exact in float32
+    mid = jnp.einsum("bsgi,gio->bsgo", grouped, wo_a, preferred_element_type=jnp.float32)
+    return linear(mid.reshape(b, s, g * cfg.o_lora_rank), params["wo_b"], cfg.dtype)
 
 
 def attention(cfg: ModelConfig, spec: LayerSpec, params: dict, x: Array, kv: LayerKV, bus: Bus, ctx: Context,

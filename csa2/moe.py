@@ -39,6 +39,7 @@ from csa2.mesh import Rules, rules_in_use
 from csa2.params import linear, normal, zeros
 from csa2.remat import MOE_ROUTING
 from pallas_kernels import ops
+from pallas_kernels.grouped import tile_rows
 
 Array = jax.Array
 
@@ -120,7 +121,7 @@ def _dense_experts(cfg: ModelConfig, params: dict, x: Array, weights: Array, exp
 
 
 def _local_experts(cfg: ModelConfig, x: Array, weights: Array, experts: Array, w1: Array, w3: Array, w2: Array,
-                   first: Array | int, impl: str) -> Array:
+                   first: Array | int, impl: str, tile: int | None = None) -> Array:
     """The routed experts `first … first + E_local − 1` (the `E_local` of `w1, w3, w2`) on the (token, slot) pairs
     routed to them: sort those pairs by expert, one grouped matmul per weight (`ops.ragged_dot` with `impl`),
     unsort, sum each token's k slots. Pairs routed to other experts (another device's) sort last, in no group,
@@ -133,7 +134,7 @@ def _local_experts(cfg: ModelConfig, x: Array, weights: Array, experts: Array, w
     sizes = jnp.bincount(slot, length=e_local + 1)[:e_local].astype(jnp.int32)
 
     def grouped(lhs: Array, w: Array) -> Array:
-        return ops.ragged_dot(lhs.astype(dt), w.astype(dt), sizes, impl=impl)
+        return ops.ragged_dot(lhs.astype(dt), w.astype(dt), sizes, impl=impl, tile=tile)
 
     xs = x[order // k]  # [T·k, d], grouped by expert
     h = _swiglu(grouped(xs, w1), grouped(xs, w3), cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
@@ -163,15 +164,17 @@ def _expert_parallel(cfg: ModelConfig, params: dict, x: Array, weights: Array, e
     """The routed experts' sum `[T, d]` float32 with the experts split over `mesh` (the module docstring says
     how): each device runs `_local_experts` on its own experts, one psum combines."""
     expert, width, rows = axes
-    # The implementation one device would pick for the whole batch and every expert, so a mesh computes as it does.
-    impl = ops.ragged_dot_impl(x.shape[0] * weights.shape[1], cfg.n_routed_experts)
+    # The implementation and tiles one device would pick for the whole batch and every expert, so a mesh computes
+    # as it does.
+    pairs = x.shape[0] * weights.shape[1]
+    impl, tile = ops.ragged_dot_impl(pairs, cfg.n_routed_experts), tile_rows(pairs, cfg.n_routed_experts)
 
     def local(x, weights, experts, w1, w3, w2):
         # Varying over the expert axis from the start: left to the implicit cast at the gathers, JAX 0.10.2
         # transposes the gather of `weights` into a scatter that puts each row's gradient in the wrong row.
         x, weights = jax.lax.pcast((x, weights), expert, to="varying")
         first = jax.lax.axis_index(expert) * w1.shape[0]
-        y = _local_experts(cfg, x, weights, experts, w1, w3, w2, first, impl)  # partial over `width`
+        y = _local_experts(cfg, x, weights, experts, w1, w3, w2, first, impl, tile)  # partial over `width`
         return jax.lax.psum(y, (expert,) if width is None else (expert, width))
 
     return jax.shard_map(local, mesh=mesh,

@@ -32,13 +32,14 @@ def tile_rows(rows: int, groups: int) -> int:
     return min(128, 1 << (mean_quarter.bit_length() - 1))
 
 
-def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array, tile: int | None = None) -> Array:
     """`lhs [M, K]` (rows sorted by group, `group_sizes [G]` rows per group) times each row's `rhs [G, K, N]`;
-    rows past `Σ group_sizes` → 0. Accumulates in float32 → `[M, N]` float32."""
+    rows past `Σ group_sizes` → 0. Accumulates in float32 → `[M, N]` float32. `tile`: rows per tile (default
+    `tile_rows(M, G)`)."""
     m_rows, g = lhs.shape[0], group_sizes.shape[0]
     if m_rows == 0:
         return jnp.zeros((0, rhs.shape[2]), jnp.float32)
-    m = tile_rows(m_rows, g)
+    m = tile_rows(m_rows, g) if tile is None else tile
     n_tiles = (m_rows + (m - 1) * min(g, m_rows)) // m  # Σ ceil(size/m) over the non-empty groups, at most
     block = tiles_per_block(n_tiles, rhs.shape[1] * rhs.shape[2])
     n_blocks = -(-n_tiles // block)

@@ -104,13 +104,16 @@ def ragged_dot_impl(rows: int, groups: int) -> str:
     return "tiled" if grouped.tile_rows(rows, groups) > 1 else "xla"
 
 
-def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array, *, impl: str = "auto") -> Array:
+def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array, *, impl: str = "auto", tile: int | None = None) -> Array:
     """The grouped matmul of the MoE (SPEC §9): `lhs [M, K]` rows sorted by group, `group_sizes [G]` int32 rows
     per group, `rhs [G, K, N]` → `[M, N]` float32 (each row times its group's matrix; rows past the sum → 0).
-    `impl`: "xla", "tiled" or "auto" (`ragged_dot_impl`)."""
+    `impl`: "xla", "tiled" or "auto" (`ragged_dot_impl`); `tile`: the tiled form's rows per tile (default
+    `grouped.tile_rows(M, G)`; the expert-parallel MoE passes one device's, so a mesh multiplies the same tiles)."""
     impls = BACKENDS["ragged_dot"]
     if impl == "auto":
         impl = ragged_dot_impl(lhs.shape[0], group_sizes.shape[0])
     if impl not in impls:
         raise ValueError(f"ragged_dot: impl={impl!r}; use one of {(*impls, 'auto')}")
+    if impl == "tiled":
+        return grouped.ragged_dot(lhs, rhs, group_sizes, tile)
     return impls[impl](lhs, rhs, group_sizes)
