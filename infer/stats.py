@@ -2,11 +2,15 @@
 independent), so tokens of one prompt, which are correlated, never count as separate samples.
 
 `ratio_interval` is for rates pooled over prompts (accepted / reached drafts): each resample sums numerators and
-denominators over the drawn prompts before dividing, as the point estimate does.
+denominators over the drawn prompts before dividing, as the point estimate does. `proportion_interval` is for a share
+of independent trials (pass keys retrieved): the Wilson score interval, which unlike a bootstrap keeps its width at a
+share of 0 or 1.
 """
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
 from typing import NamedTuple
 
 import numpy as np
@@ -71,3 +75,16 @@ def ratio_interval(numerators, denominators, *, level: float = LEVEL, resamples:
         lo, hi = _percentiles(s_num[ok, j] / s_den[ok, j], level)
         out.append(Interval(float(num[:, j].sum() / total), float(lo), float(hi), len(num), level))
     return out
+
+
+def proportion_interval(successes: int, n: int, *, level: float = LEVEL) -> Interval:
+    """The share `successes / n` of independent trials and its Wilson score interval at `level`."""
+    if not 0 <= successes <= n or n < 1:
+        raise ValueError(f"successes={successes}, n={n}: need 0 ≤ successes ≤ n and n ≥ 1 trials")
+    if not 0 < level < 1:
+        raise ValueError(f"level={level!r}: must be in (0, 1), e.g. 0.95")
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n, level)

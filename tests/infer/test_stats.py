@@ -1,4 +1,4 @@
-"""Bootstrap intervals over prompts (infer.stats)."""
+"""Bootstrap intervals over prompts and Wilson intervals for shares (infer.stats)."""
 
 import numpy as np
 import pytest
@@ -35,11 +35,24 @@ def test_ratio_interval_pools_counts_over_prompts():
     assert np.isnan(empty.value)
 
 
+def test_proportion_interval_is_wilsons():
+    """Newcombe (1998), Stat. Med. 17:857, table I, method 3 (Wilson score without continuity correction)."""
+    for (k, n), (lo, hi) in {(81, 263): (0.2553, 0.3662), (15, 148): (0.0624, 0.1605), (0, 20): (0.0, 0.1611),
+                             (1, 29): (0.0061, 0.1718)}.items():
+        got = stats.proportion_interval(k, n)
+        assert (got.value, got.n) == (k / n, n)
+        assert (got.lo, got.hi) == (pytest.approx(lo, abs=1e-4), pytest.approx(hi, abs=1e-4))
+    # Unlike a bootstrap, it keeps a width at a share of 1: 36 keys of 36 do not prove 100 %.
+    assert stats.proportion_interval(36, 36).lo == pytest.approx(36 / (36 + 1.959964**2), abs=1e-6)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: stats.mean_interval([1.0]), "n=1"),
     (lambda: stats.mean_interval(np.ones((2, 2))), r"values.shape=\(2, 2\)"),
     (lambda: stats.mean_interval([1.0, 2.0], level=95), "level=95"),
     (lambda: stats.ratio_interval(np.ones((2, 3)), np.ones((2, 2))), "numerators.shape"),
+    (lambda: stats.proportion_interval(5, 4), "successes=5, n=4"),
+    (lambda: stats.proportion_interval(0, 0), "n=0"),
 ])
 def test_bad_input_is_refused_by_name(call, match):
     with pytest.raises(ValueError, match=match):
