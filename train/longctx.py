@@ -45,6 +45,7 @@ from csa2 import model
 from csa2.checkpoints import native as ckpt
 from csa2.config import ModelConfig
 from csa2.presets import BOS_ID, preset
+from csa2.replay import EXACT, ReplayPolicy
 from csa2.tokenizer import encode
 from train.data import load_corpus, multi_needle_example, passkey_example
 from train.loop import train
@@ -207,33 +208,48 @@ def mixed_batches(recipe: LongCtxRecipe, corpus: np.ndarray) -> Callable[[int], 
     return from_step
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n", "qat"))
-def _answer_predictions(cfg: ModelConfig, params, tokens: jax.Array, n: int, qat: bool) -> jax.Array:
-    """Greedy predictions [B, n] of the last n targets of `tokens [B, S]` (SPEC §8 numerics with `qat`)."""
-    logits, _ = model.forward(cfg, params, tokens, qat=qat)
-    return jnp.argmax(logits[:, -n:], axis=-1)
+@functools.partial(jax.jit, static_argnames=("cfg", "qat", "replay"))
+def _answer_reads(cfg: ModelConfig, params, tokens: jax.Array, answers: jax.Array, qat: bool,
+                  replay: ReplayPolicy) -> tuple[jax.Array, jax.Array]:
+    """(greedy predictions, log-probabilities of `answers`) [B, n] at the last n targets of `tokens [B, S]`, where
+    `answers [B, n]` are those targets (SPEC §8 numerics with `qat`; a prefill under `replay`)."""
+    logits, _ = model.forward(cfg, params, tokens, qat=qat, replay=replay)
+    logits = logits[:, -answers.shape[1]:].astype(jnp.float32)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), answers[..., None], axis=-1)[..., 0]
+    return jnp.argmax(logits, axis=-1), logp
 
 
-def retrieval_scores(cfg: ModelConfig, params, recipe: LongCtxRecipe, *,
-                     qat: bool = True) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+def passkey_reads(cfg: ModelConfig, params, recipe: LongCtxRecipe, length: int, *, samples: int | None = None,
+                  qat: bool = True, replay: ReplayPolicy = EXACT) -> tuple[np.ndarray, np.ndarray]:
+    """(hit, logprob) `[samples, depths, digits]` of the pass keys at `length` tokens: sample k holds one key at each
+    of `recipe.eval_depths` (drawn from the stream `[_EVAL_STREAM, seed, length, k]`), read teacher-forced; `hit`
+    says whether the argmax is the digit, `logprob` is the digit's log-probability. `samples` defaults to
+    `recipe.eval_samples`; the first k samples are the same for any `samples` ≥ k."""
+    hits, logps = [], []
+    for sample in range(recipe.eval_samples if samples is None else samples):
+        rng = np.random.default_rng([_EVAL_STREAM, recipe.seed, length, sample])
+        pairs = [passkey_example(rng, length, depth, digits=recipe.digits) for depth in recipe.eval_depths]
+        tokens = np.stack([np.concatenate([p, a[:-1]]) for p, a in pairs])
+        answers = np.stack([a for _, a in pairs])
+        pred, logp = _answer_reads(cfg, params, jnp.asarray(tokens), jnp.asarray(answers), qat, replay)
+        hits.append(np.asarray(pred) == answers)
+        logps.append(np.asarray(logp))
+    return np.stack(hits), np.stack(logps)
+
+
+def retrieval_scores(cfg: ModelConfig, params, recipe: LongCtxRecipe, *, qat: bool = True,
+                     replay: ReplayPolicy = EXACT) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """(exact, digits): {length: {depth: score}} over `recipe.eval_lengths × eval_depths`, each cell
-    `eval_samples` pass keys read teacher-forced (argmax at every answer position). `exact`: the share of keys
-    with every digit right (≡ greedy decoding retrieves the key); `digits`: the share of digits right (chance
-    0.1). `qat`: the SPEC §8 numerics inference runs (False: the float model, an ablation)."""
+    `eval_samples` pass keys read teacher-forced (argmax at every answer position, `passkey_reads`). `exact`: the
+    share of keys with every digit right (≡ greedy decoding retrieves the key); `digits`: the share of digits right
+    (chance 0.1). `qat`: the SPEC §8 numerics inference runs (False: the float model, an ablation); `replay`: the
+    prefill's replay policy (default exact: every position through every layer)."""
     exact, digits = {}, {}
     for length in recipe.eval_lengths:
-        keys = np.zeros(len(recipe.eval_depths))
-        right = np.zeros(len(recipe.eval_depths))
-        for sample in range(recipe.eval_samples):
-            rng = np.random.default_rng([_EVAL_STREAM, recipe.seed, length, sample])
-            pairs = [passkey_example(rng, length, depth, digits=recipe.digits) for depth in recipe.eval_depths]
-            tokens = np.stack([np.concatenate([p, a[:-1]]) for p, a in pairs])
-            answers = np.stack([a for _, a in pairs])
-            hit = np.asarray(_answer_predictions(cfg, params, jnp.asarray(tokens), recipe.digits, qat)) == answers
-            keys += np.all(hit, axis=1)
-            right += np.mean(hit, axis=1)
-        exact[str(length)] = {f"{d:g}": float(k / recipe.eval_samples) for d, k in zip(recipe.eval_depths, keys)}
-        digits[str(length)] = {f"{d:g}": float(r / recipe.eval_samples) for d, r in zip(recipe.eval_depths, right)}
+        hit, _ = passkey_reads(cfg, params, recipe, length, qat=qat, replay=replay)
+        keys, right = hit.all(axis=2).mean(axis=0), hit.mean(axis=(0, 2))
+        exact[str(length)] = {f"{d:g}": float(k) for d, k in zip(recipe.eval_depths, keys)}
+        digits[str(length)] = {f"{d:g}": float(r) for d, r in zip(recipe.eval_depths, right)}
     return exact, digits
 
 
@@ -253,16 +269,22 @@ def format_table(table: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def fit(recipe: LongCtxRecipe, out: pathlib.Path, *, log: Callable[[str], None] = print) -> tuple[ModelConfig, object]:
+    """(config, final train state) of `recipe` trained into `out`: a partial run there resumes, a finished one is
+    restored; no evaluation (the caller holds `lock(out)` and has checked the recipe)."""
+    write_recipe(out, recipe)
+    cfg = recipe.config()
+    return cfg, train(cfg, recipe.train_config(), mixed_batches(recipe, load_corpus().train), out,
+                      resume=ckpt.latest_step(out) is not None, log=log, save_every=100)
+
+
 def run(recipe: LongCtxRecipe, out: str | pathlib.Path, *,
         log: Callable[[str], None] = print) -> tuple[ModelConfig, object, dict]:
     """Train `recipe` into `out` (resuming a partial run there), measure pass-key accuracy, write accuracy.json;
     returns (config, params, report)."""
     out = pathlib.Path(out)
-    write_recipe(out, recipe)
-    cfg = recipe.config()
     t0 = time.perf_counter()
-    state = train(cfg, recipe.train_config(), mixed_batches(recipe, load_corpus().train), out,
-                  resume=ckpt.latest_step(out) is not None, log=log, save_every=100)
+    cfg, state = fit(recipe, out, log=log)
     train_s = time.perf_counter() - t0
     exact, digits = retrieval_scores(cfg, state.params, recipe)
     report = {"preset": recipe.preset, "steps": recipe.steps, "train_seconds": round(train_s, 1),

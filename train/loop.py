@@ -28,14 +28,23 @@ from train.step import TrainConfig, TrainState, eval_loss, init_train_state, tra
 Batches = Callable[[int], Iterator[tuple[np.ndarray, np.ndarray, "np.ndarray | None"]]]  # start step → batches
 
 
+def eval_bits(cfg: ModelConfig, params: dict, tokens: np.ndarray, *, qat: bool, batch_size: int = 8,
+              seq_len: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """(bits, bytes) of each `batch_size × seq_len` validation batch over the whole stream, in order (float
+    numerics, or FP4/FP8 ones with `qat`): the per-batch sums that `evaluate` pools."""
+    bits, count = [], []
+    for inputs, targets, mask in eval_batches(tokens, batch_size, seq_len):
+        s, c = eval_loss(cfg, params, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(mask), qat)
+        bits.append(float(s) / math.log(2))
+        count.append(float(c))
+    return np.asarray(bits), np.asarray(count)
+
+
 def evaluate(cfg: ModelConfig, params: dict, tokens: np.ndarray, *, qat: bool, batch_size: int = 8,
              seq_len: int = 128) -> float:
     """Validation bits per byte over the whole stream (float numerics, or FP4/FP8 ones with `qat`)."""
-    nats = count = 0.0
-    for inputs, targets, mask in eval_batches(tokens, batch_size, seq_len):
-        s, c = eval_loss(cfg, params, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(mask), qat)
-        nats, count = nats + float(s), count + float(c)
-    return nats / max(count, 1.0) / math.log(2)
+    bits, count = eval_bits(cfg, params, tokens, qat=qat, batch_size=batch_size, seq_len=seq_len)
+    return float(bits.sum() / max(count.sum(), 1.0))
 
 
 def progress(step: int, total: int, fields: str, eta: float) -> None:
