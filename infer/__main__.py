@@ -2,7 +2,7 @@
 
     python -m infer --checkpoint DIR --prompt "..." [--prompt ...] [--batch-file F] [--max-new-tokens N]
                     [--temperature T] [--top-p P] [--replay-window R | --exact] [--numerics spec|float]
-                    [--seed S] [--step K]
+                    [--seed S] [--step K] [--dtype float32|bfloat16]
 
 All prompts run as one batch (`infer.generate`); each is BOS + its UTF-8 bytes. Prints every
 continuation, then one line with the compile time and the tokens/s of the compiled call (new tokens
@@ -27,7 +27,9 @@ class CliError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m infer", description="Batched generation from a checkpoint.")
-    ap.add_argument("--checkpoint", required=True, help="directory written by train (latest step unless --step)")
+    ap.add_argument("--checkpoint", required=True,
+                    help="a run directory of python -m train (latest step unless --step), or a checkpoint in the "
+                         "released layout (config.json + shards; e.g. the shipped model, csa2.checkpoints.bundled())")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step to restore (default: latest)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     ap.add_argument("--batch-file", type=Path, help="UTF-8 text file, one prompt per non-empty line")
@@ -39,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--exact", action="store_true", help="exact prefill: every position through every layer")
     ap.add_argument("--numerics", choices=("spec", "float"), default="spec",
                     help="spec: the SPEC §8 FP4/FP8 cache (default); float: the float model on a float cache")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"),
+                    help="compute dtype (default: the checkpoint's; a released-layout config.json names none, so "
+                         "bfloat16 there)")
     ap.add_argument("--seed", type=int, default=0)
     compile_cache.add_argument(ap)
     return ap
@@ -67,22 +72,24 @@ def _prompts(args) -> list[str]:
 def _main(args) -> None:
     if not Path(args.checkpoint).is_dir():
         raise CliError(f"checkpoint directory {args.checkpoint} does not exist; pass the --out directory of a "
-                       "training run (python -m train)")
+                       "training run (python -m train) or a released-layout directory")
     texts = _prompts(args)
     compile_cache.enable(args.compile_cache)
     import jax
 
-    from csa2.checkpoints.native import load_config, restore_params
+    from csa2.checkpoints.layouts import load, load_config
     from csa2.replay import EXACT, ReplayPolicy
     from csa2.tokenizer import decode, encode
     from infer.generate import Sampling, lower, plan, run
 
     cfg = load_config(args.checkpoint, args.step)
+    if args.dtype is not None:
+        cfg = cfg.replace(dtype=args.dtype)
     replay = EXACT if args.exact else ReplayPolicy(window=args.replay_window)
     batch = plan(cfg, [encode(t, bos=True) for t in texts], max_new_tokens=args.max_new_tokens,
                  sampling=Sampling(temperature=args.temperature, top_p=args.top_p), replay=replay,
                  numerics=args.numerics, seed=args.seed)
-    cfg, params = restore_params(args.checkpoint, cfg, args.step)
+    cfg, params = load(args.checkpoint, cfg, args.step)
     t0 = time.perf_counter()
     compiled = lower(cfg, params, batch).compile()
     compile_s = time.perf_counter() - t0

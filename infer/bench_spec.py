@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa2 import compile_cache, model
-from csa2.checkpoints import native as checkpoint
+from csa2.checkpoints import layouts, native as checkpoint
 from csa2.config import ModelConfig
 from csa2.state import init_state, token_granule
 from csa2.tokenizer import encode
@@ -191,20 +191,33 @@ def acceptance(cfg: ModelConfig, params, n_prompts: int, prompt_len: int, new_to
             "acceptance_length": tau.as_dict(), "position_acceptance": [x.as_dict() for x in per_position]}
 
 
-def load(checkpoint_dir: str, drafter_dir: str | None) -> tuple[ModelConfig, object]:
+def load(checkpoint_dir: str, drafter_dir: str | None, dtype: str | None = None) -> tuple[ModelConfig, object]:
     """The backbone of `checkpoint_dir` with the adapted drafter of `drafter_dir` (default: `<checkpoint>/dspark`), in
-    the drafter's config (its stage count may differ from the backbone's)."""
+    the drafter's config (its stage count may differ from the backbone's); a released-layout `checkpoint_dir`
+    holds its drafter (`mtp.*`). `dtype`: the compute dtype (default: the checkpoint's)."""
     if not os.path.isdir(checkpoint_dir):
         raise ValueError(f"--checkpoint {checkpoint_dir}: no such directory; pass the --out directory of python -m "
-                         "train (e.g. runs/demo after make demo)")
-    return checkpoint.restore_with_drafter(checkpoint_dir, drafter_dir or os.path.join(checkpoint_dir, "dspark"))
+                         "train (e.g. runs/demo after make demo) or a released-layout directory")
+    if layouts.is_released(checkpoint_dir):
+        if drafter_dir is not None:
+            raise ValueError(f"--drafter {drafter_dir}: the released-layout checkpoint {checkpoint_dir} carries its "
+                             "drafter (mtp.*); leave --drafter out")
+        cfg = layouts.load_config(checkpoint_dir)
+        return layouts.load(checkpoint_dir, cfg if dtype is None else cfg.replace(dtype=dtype))
+    cfg, params = checkpoint.restore_with_drafter(checkpoint_dir, drafter_dir or os.path.join(checkpoint_dir, "dspark"))
+    return (cfg if dtype is None else cfg.replace(dtype=dtype)), params
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m infer.bench_spec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="backbone checkpoint directory (python -m train)")
+    ap.add_argument("--checkpoint", required=True,
+                    help="backbone checkpoint directory (python -m train), or a released-layout directory with its "
+                         "drafter (e.g. the shipped model, csa2.checkpoints.bundled())")
     ap.add_argument("--drafter", help="adapted drafter directory (python -m train.dspark); default CHECKPOINT/dspark")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"),
+                    help="compute dtype (default: the checkpoint's; a released-layout config.json names none, so "
+                         "bfloat16 there)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -222,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         compile_cache.enable(args.compile_cache)
-        cfg, params = load(args.checkpoint, args.drafter)
+        cfg, params = load(args.checkpoint, args.drafter, args.dtype)
         path = args.sps or os.path.join(args.checkpoint, "sps.json")
 
         def log(row: dict) -> None:
