@@ -5,6 +5,12 @@ Reads gather first and dequantize after the gather (`Stored.gather`), with the b
 of `formats`, so the reference and the kernels see bit-identical entries. Inner products
 accumulate in float32 at `HIGHEST` precision (SPEC: attention logits and indexer scores are fp32), under
 the named scopes `fp32_attention` and `fp32_indexer` that `tests/csa2/test_precision.py` finds in the HLO.
+
+Every query reads its own entries, so the three scoring reads run in blocks of queries (`by_query_blocks`): a
+block holds at most `block_elements` float32 values of per-query temporaries (gathered entries, logits, indexer
+dots), the blocks run one after another (`lax.map`), each under `jax.checkpoint`, so neither the forward pass nor
+a backward pass through it ever holds the temporaries of every query at once. At the release's shapes a 4096-token
+training row would otherwise gather 34 GB of candidate keys in one Reindex layer. Short inputs are one block.
 """
 
 from __future__ import annotations
@@ -20,6 +26,27 @@ from pallas_kernels.stored import Stored
 
 Array = jax.Array
 _HIGHEST = lax.Precision.HIGHEST
+BLOCK_ELEMENTS = 1 << 26  # per-query temporaries of one block of queries, in float32 values (256 MB)
+
+
+def query_block(batch: int, queries: int, per_query: int, block_elements: int = BLOCK_ELEMENTS) -> int:
+    """Queries per block: the largest divisor of `queries` whose block holds at most `block_elements` values of
+    `per_query` values per query and batch row (at least one query)."""
+    most = max(1, block_elements // max(1, batch * per_query))
+    if queries <= most:
+        return queries
+    return next(d for d in range(most, 0, -1) if queries % d == 0)
+
+
+def by_query_blocks(fn, block: int, *xs: Array) -> Array:
+    """`fn(*xs)` a block of `block` queries at a time: every `x [B, S, ...]` is split along S, and `fn` maps a block
+    `[B, block, ...]` of each to `[B, block, ...]`; blocks run in sequence, each rematerialized in a backward pass."""
+    b, s = xs[0].shape[:2]
+    if block >= s:
+        return fn(*xs)
+    split = [x.reshape(b, s // block, block, *x.shape[2:]).swapaxes(0, 1) for x in xs]
+    out = lax.map(jax.checkpoint(lambda parts: fn(*parts)), split)
+    return out.swapaxes(0, 1).reshape(b, s, *out.shape[3:])
 
 
 def gather_entries(store: Stored, idx: Array) -> tuple[Array, Array]:
@@ -54,18 +81,24 @@ def sink_attention(q: Array, keys: Array, valid: Array, sink: Array) -> Array:
         return jnp.einsum("bshe,bsed->bshd", probs, keys.astype(jnp.float32), precision=_HIGHEST)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames="block_elements")
 def sparse_attention(q: Array, sink: Array, main: Stored, main_idx: Array, window: Stored,
-                     window_idx: Array) -> Array:
+                     window_idx: Array, *, block_elements: int = BLOCK_ELEMENTS) -> Array:
     """Top-k Global entries (`main_idx`, −1 = skip) and window rows (`window_idx`) in one sink softmax.
 
     See `ops.sparse_attention` for shapes. → [B, S, H, D] float32.
     """
     _common.check_sparse_attention(q, sink, main, main_idx, window, window_idx)
-    main_keys, main_valid = gather_entries(main, main_idx)  # [B, S, K, D]
-    win_keys, win_valid = gather_entries(window, window_idx)  # [B, S, W, D]
-    keys = jnp.concatenate([main_keys, win_keys], axis=2)
-    return sink_attention(q, keys, jnp.concatenate([main_valid, win_valid], axis=2), sink)
+    b, s, h, d = q.shape
+
+    def block(q, main_idx, window_idx):
+        main_keys, main_valid = gather_entries(main, main_idx)  # [B, s, K, D]
+        win_keys, win_valid = gather_entries(window, window_idx)  # [B, s, W, D]
+        keys = jnp.concatenate([main_keys, win_keys], axis=2)
+        return sink_attention(q, keys, jnp.concatenate([main_valid, win_valid], axis=2), sink)
+
+    entries = main_idx.shape[2] + window_idx.shape[2]
+    return by_query_blocks(block, query_block(b, s, entries * (d + h), block_elements), q, main_idx, window_idx)
 
 
 def weighted_relu(dots: Array, w: Array) -> Array:
@@ -74,30 +107,42 @@ def weighted_relu(dots: Array, w: Array) -> Array:
         return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), w.astype(jnp.float32), precision=_HIGHEST)
 
 
-@jax.jit
-def indexer_scores(q: Array, w: Array, ikey: Stored, visible: Array) -> Array:
+@functools.partial(jax.jit, static_argnames="block_elements")
+def indexer_scores(q: Array, w: Array, ikey: Stored, visible: Array, *,
+                   block_elements: int = BLOCK_ELEMENTS) -> Array:
     """Σ_h w_h · relu(qI_h · k_n) over all entries [B, S, N] float32, −inf where n ≥ visible[b, s] (SPEC §5)."""
     _common.check_indexer(q, w, ikey, visible)
     keys = ikey.decode()  # [B, N, Di]
-    with jax.named_scope("fp32_indexer"):
-        dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys, precision=_HIGHEST,
-                          preferred_element_type=jnp.float32)
-    seen = jnp.arange(keys.shape[1], dtype=jnp.int32) < visible[..., None]  # [B, S, N]
-    return jnp.where(seen, weighted_relu(dots, w), -jnp.inf)
+    b, s, h, _ = q.shape
+
+    def block(q, w, visible):
+        with jax.named_scope("fp32_indexer"):
+            dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys, precision=_HIGHEST,
+                              preferred_element_type=jnp.float32)
+        seen = jnp.arange(keys.shape[1], dtype=jnp.int32) < visible[..., None]  # [B, s, N]
+        return jnp.where(seen, weighted_relu(dots, w), -jnp.inf)
+
+    return by_query_blocks(block, query_block(b, s, keys.shape[1] * (h + 1), block_elements), q, w, visible)
 
 
-@jax.jit
-def indexer_scores_gathered(q: Array, w: Array, ikey: Stored, ids: Array, visible: Array) -> Array:
+@functools.partial(jax.jit, static_argnames="block_elements")
+def indexer_scores_gathered(q: Array, w: Array, ikey: Stored, ids: Array, visible: Array, *,
+                            block_elements: int = BLOCK_ELEMENTS) -> Array:
     """Scores of the candidate ids `ids [B, S, P]` only (Reindex, SPEC §5): gather, then score.
 
     → [B, S, P] float32, −inf where id < 0 or id ≥ visible[b, s] (or id ≥ N).
     """
     _common.check_indexer(q, w, ikey, visible, ids)
-    keys, valid = gather_entries(ikey, ids)  # [B, S, P, Di]
-    with jax.named_scope("fp32_indexer"):
-        dots = jnp.einsum("bshd,bspd->bshp", q.astype(jnp.float32), keys, precision=_HIGHEST,
-                          preferred_element_type=jnp.float32)
-    return jnp.where(valid & (ids < visible[..., None]), weighted_relu(dots, w), -jnp.inf)
+    b, s, h, d = q.shape
+
+    def block(q, w, ids, visible):
+        keys, valid = gather_entries(ikey, ids)  # [B, s, P, Di]
+        with jax.named_scope("fp32_indexer"):
+            dots = jnp.einsum("bshd,bspd->bshp", q.astype(jnp.float32), keys, precision=_HIGHEST,
+                              preferred_element_type=jnp.float32)
+        return jnp.where(valid & (ids < visible[..., None]), weighted_relu(dots, w), -jnp.inf)
+
+    return by_query_blocks(block, query_block(b, s, ids.shape[2] * (d + h), block_elements), q, w, ids, visible)
 
 
 def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
