@@ -16,12 +16,12 @@ names the smallest whose train step peaks under `--budget-gb` (default 141, an H
 
 The held bytes (parameters, optimizer state, request state) are what any backend holds. The temporaries are
 XLA:CPU's buffer assignment of the XLA reference paths: the MoE's grouped matmul works in tiles (the routed rows'
-size, `pallas_kernels.grouped`), but the reference sparse attention and indexer gather every query's selected
-entries at once (at 4096 tokens per row: `[4096, 16384, 128]` float32 indexer keys, 34 GB, and `[4096, 640,
-512]` attention entries, 5.4 GB, per layer), which the Pallas kernels of an accelerator read in blocks without
-materializing. So on v41_flash the train step's temporaries are an upper bound of an accelerator's, and the held
-bytes are exact. The report lists the train step's largest buffers by op scope (`largest_buffers`, read from the
-compiled program), which is how it knows where the temporaries come from.
+size, `pallas_kernels.grouped`) and the reference sparse attention and indexer read in blocks of queries
+(`pallas_kernels.reference.by_query_blocks`), as the Pallas kernels of an accelerator do; what still gathers every
+query's entries at once is the SPEC §13 indexer loss's attention target (`[4096, 640, 512]` float32 at 4096 tokens
+per row, 5.4 GB). So on v41_flash the train step's temporaries are an upper bound of an accelerator's, and the
+held bytes are exact. The report lists the train step's largest buffers by op scope (`largest_buffers`, read from
+the compiled program), which is how it knows where the temporaries come from.
 
 It lives in `train` because it compiles the train step (`csa2` does not import `train`).
 """
