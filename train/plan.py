@@ -43,7 +43,14 @@ from csa2 import mesh as mesh_lib, model, remat, sharding, state as state_lib
 from csa2.config import ENGRAM_TABLE_FORMATS, ModelConfig
 from csa2.presets import PRESETS, preset
 from csa2.state import CACHE_FORMATS
-from train.step import DTYPE_POLICIES, TrainConfig, init_train_state, train_state_shardings, train_step
+from train.step import (
+    DTYPE_POLICIES,
+    TrainConfig,
+    init_train_state,
+    saved_for_backward,
+    train_state_shardings,
+    train_step,
+)
 
 FIT_MESHES = ({"data": 2, "tensor": 8, "expert": 16}, {"data": 4, "tensor": 8, "expert": 16},
               {"data": 8, "tensor": 8, "expert": 16})  # `--fit`: the meshes to try, smallest first
@@ -81,6 +88,7 @@ class Plan:
     state: int
     decode: Program
     train: Program
+    kept: int  # of the train step's temporaries: what its backward pass keeps from the forward (`saved_for_backward`)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -159,8 +167,12 @@ def plan(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: mesh_lib.Rules, conte
     train_state = _placed(abstract_train, train_state_shardings(abstract_train, mesh, rules))
     batch_tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=row)
     train = _program(train_step.on(mesh, rules).lower(cfg, tc, train_state, batch_tokens, batch_tokens).compile())
+    with jax.set_mesh(mesh), mesh_lib.use_rules(rules):  # as the train step traces on the mesh
+        saved = jax.jit(saved_for_backward, static_argnums=(0, 1)).lower(cfg, tc, train_state, batch_tokens,
+                                                                         batch_tokens).compile()
     return Plan(mesh=dict(mesh.shape), params=held_bytes(params), train_params=held_bytes(train_state.params),
-                opt_state=held_bytes(train_state.opt_state), state=held_bytes(state), decode=decode, train=train)
+                opt_state=held_bytes(train_state.opt_state), state=held_bytes(state), decode=decode, train=train,
+                kept=saved.memory_analysis().output_size_in_bytes)
 
 
 def _gb(n: int) -> str:
@@ -183,8 +195,10 @@ def report(name: str, p: Plan, context: int, batch: int, seq_len: int, cache_for
         f"  program outputs               {_gb(p.decode.outputs):>14} {_gb(p.train.outputs):>14}",
         f"  donated (outputs in place)    {_gb(p.decode.aliased):>14} {_gb(p.train.aliased):>14}",
         f"  temporaries                   {_gb(p.decode.temporaries):>14} {_gb(p.train.temporaries):>14}",
+        f"    of which kept for backward  {'':>14} {_gb(p.kept):>14}",
         f"  peak (args + out − donated + temp) {_gb(p.decode.peak):>9} {_gb(p.train.peak):>14}",
-        "  (temporaries: XLA:CPU's buffer assignment of the XLA reference paths; see train.plan)",
+        "  (temporaries: XLA:CPU's buffer assignment of the XLA reference paths; see train.plan. Kept for backward:",
+        "   the forward's residuals under the remat policy, other than the step's arguments, as placed on the mesh)",
         "collectives in the compiled programs (a scanned body's ops count once)",
     ]
     for op in COLLECTIVES:

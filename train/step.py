@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import chex
 import jax
@@ -199,6 +199,27 @@ def _check_step(cfg, tc, state, inputs, targets, weights, dense, qat) -> None:
         raise ValueError(f"weights.shape={jnp.shape(weights)}: give one loss weight per target, {jnp.shape(inputs)}")
 
 
+def _loss_of(cfg: ModelConfig, tc: TrainConfig, fixed: nnx.State, inputs: Array, targets: Array,
+             weights: Array | None, dense: bool, qat: bool) -> Callable:
+    """The train step's loss as a function of the trained `nnx.Param`s (`fixed`: the rest of the parameters)."""
+    def loss(trained):
+        run_cfg, run_params = policy_forward(cfg, tc, nnx.merge_state(trained, fixed))
+        return losses(run_cfg, tc, run_params, inputs, targets, weights, dense, qat)
+    return loss
+
+
+def saved_for_backward(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Array, targets: Array,
+                       weights: Array | None = None, dense: bool = False, qat: bool = True) -> list[Array]:
+    """What the backward pass of `train_step` keeps from its forward pass under `tc.remat` (and the dtype policy):
+    the residuals of the loss's VJP other than the step's own arguments, which are held anyway. Trace it (e.g.
+    `jax.jit(...).lower(...)` on a mesh) to size what a remat policy keeps (`train.plan`)."""
+    trained, fixed = nnx.split_state(state.params, nnx.Param, ...)
+    loss = _loss_of(cfg, tc, fixed, inputs, targets, weights, dense, qat)
+    _, pullback = jax.vjp(lambda p: loss(p)[0], trained)
+    given = {id(x) for x in jax.tree.leaves((state, inputs, targets, weights))}
+    return [x for x in jax.tree.leaves(pullback) if id(x) not in given]
+
+
 @entry_point(_check_step, static_argnames=("cfg", "tc", "dense", "qat"), donate_argnames=("state",),
              place=dict(state=train_state_shardings, inputs=ROWS, targets=ROWS, weights=ROWS),
              out=("state", REPLICATED))
@@ -211,11 +232,7 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, state: TrainState, inputs: Arr
     `qat`: the SPEC §8 fake-quant forward (False = the float ablation). `metrics["loss"]` is the weighted mean.
     """
     trained, fixed = nnx.split_state(state.params, nnx.Param, ...)  # only Params are differentiated
-
-    def loss(p):
-        run_cfg, run_params = policy_forward(cfg, tc, nnx.merge_state(p, fixed))
-        return losses(run_cfg, tc, run_params, inputs, targets, weights, dense, qat)
-
+    loss = _loss_of(cfg, tc, fixed, inputs, targets, weights, dense, qat)
     (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(trained)
     grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, fixed))  # zeros where the optimizer leaves alone
     updates, opt_state = optimizer(tc).update(grads, state.opt_state, state.params)

@@ -23,8 +23,12 @@ PLAN = textwrap.dedent("""
     from train.step import TrainConfig
     cfg = preset("mini")
     mesh = mesh_lib.make_mesh({"data": 2, "tensor": 2, "expert": 2})
-    p = plan.plan(cfg, mesh, mesh_lib.with_fsdp(mesh_lib.rules_for("mini")), context=128, batch=2, seq_len=32,
+    rules = mesh_lib.with_fsdp(mesh_lib.rules_for("mini"))
+    p = plan.plan(cfg, mesh, rules, context=128, batch=2, seq_len=32,
                   tc=TrainConfig(remat="layer", dtype_policy="bfloat16"))
+    everything = plan.plan(cfg, mesh, rules, context=128, batch=2, seq_len=32,
+                           tc=TrainConfig(remat="none", dtype_policy="bfloat16"))
+    print("kept", p.kept, everything.kept, p.train.temporaries)
     whole = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.abstract_params(cfg)))
     print("state", p.state, state.state_bytes(state.abstract_state(cfg, 2, 128, "fp4"))["total"])
     print("params", p.params, whole)
@@ -42,7 +46,7 @@ def test_the_plan_of_mini_on_8_devices_counts_each_devices_share():
     few small leaves data does not divide stay whole) and AdamW's two moments at most twice that. The decode step
     takes the parameters it reads and the state, and writes the new state into the donated one; the train step
     (remat and the bfloat16 policy) takes and donates the whole train state. Both combine partial sums with
-    all-reduces."""
+    all-reduces. What the train step's backward keeps is part of its temporaries, and less under remat."""
     env = mesh_lib.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", PLAN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -59,6 +63,9 @@ def test_the_plan_of_mini_on_8_devices_counts_each_devices_share():
     assert temporaries > 0 and peak >= arguments + temporaries - aliased and all_reduce > 0
     arguments, aliased, temporaries, peak, all_reduce = rows["train"]
     assert arguments >= aliased >= train_params + rows["opt_state"][0] and temporaries > 0 and all_reduce > 0
+    # What the backward keeps: part of the temporaries, and less with each layer rematerialized than with nothing.
+    kept, kept_without_remat, temporaries = rows["kept"]
+    assert 0 < kept < temporaries and kept < kept_without_remat
 
 
 def test_the_command_prints_its_table():
@@ -71,7 +78,8 @@ def test_the_command_prints_its_table():
     text = out.stdout
     assert text.startswith("plan: mini (Engram tables: float) on mesh data=2 × tensor=2 × expert=2 (8 devices)"), text
     assert "AdamW; fsdp on, remat layer, dtype policy bfloat16" in text.splitlines()[0], text
-    for label in ("parameters (held)", "optimizer state (held)", "request state (held)", "temporaries", "peak",
+    for label in ("parameters (held)", "optimizer state (held)", "request state (held)", "temporaries",
+                  "kept for backward", "peak",
                   "all-reduce", "largest buffers of the train step"):
         assert label in text, label
 
