@@ -25,6 +25,11 @@ def _mini():
     return _preset("mini")
 
 
+def _bundled() -> str:
+    from csa2.checkpoints import bundled
+    return str(bundled())
+
+
 def _plan(**kw):
     from infer.generate import plan
     args = dict(prompts=[np.array([1, 2, 3])], max_new_tokens=4) | kw
@@ -149,6 +154,10 @@ CLI = [
      lambda t: ["convert", "from-hf", str(t / "none"), str(t / "run")], "none: no config.json"),
     ("infer.bench_spec: missing checkpoint", "infer.bench_spec", lambda t: ["--checkpoint", str(t / "none")],
      "--checkpoint .*/none: no such directory"),
+    ("infer: --step of a released checkpoint", "infer.__main__",
+     lambda t: ["--checkpoint", _bundled(), "--step", "3", "--prompt", "x"], "step=3: .* is a released checkpoint"),
+    ("infer.bench_spec: --drafter beside a released checkpoint", "infer.bench_spec",
+     lambda t: ["--checkpoint", _bundled(), "--drafter", str(t)], "carries its drafter"),
     ("train.bench: batch of zero", "train.bench", lambda t: ["--batch-size", "0"], "must be ≥ 1"),
     ("infer.bench_model: zero reps", "infer.bench_model", lambda t: ["--reps", "0"], "must be ≥ 1"),
     ("infer.fuzz: odd rows", "infer.fuzz.__main__", lambda t: ["--rows", "3"], "--rows 3"),

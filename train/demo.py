@@ -9,7 +9,9 @@ never imports the trainer).
 3. continues a few prompts in one batched, jitted generation loop (tokens/s after compile);
 4. reports KV bytes per token and the prefill token×layer saving of bounded replay (SPEC §11);
 5. adapts the DSpark drafter on the frozen backbone (`train.dspark`, SPEC §12) and decodes the prompts
-   greedily both ways: plain `generate` and speculative decoding (token-identical, checked).
+   greedily both ways: plain `generate` and speculative decoding (token-identical, checked);
+6. does the same with the research model the package ships (`csa2.checkpoints.bundled("tiny-v41")`: the
+   release's 40-layer schedule), plus a pass key 512 tokens back.
 The last six lines are machine-readable: `val_bpb` (SPEC §8 numerics), `tokens_per_s`, `kv_bytes_per_token`, then
 `spec_tokens_per_s`, `plain_tokens_per_s`, `mean_accept`.
 """
@@ -25,13 +27,14 @@ import jax
 import numpy as np
 
 from csa2 import compile_cache, model
+from csa2.checkpoints import bundled, load_hf, read_config
 from csa2.presets import preset
 from csa2.replay import EXACT, ReplayPolicy
 from csa2.state import init_state, kv_bytes_per_token
 from csa2.tokenizer import decode, encode
 from infer import generate
 from infer.speculative import speculative_generate
-from train.data import load_corpus
+from train.data import load_corpus, passkey_example
 from train.dspark import DSparkTrainConfig, adapt
 from train.loop import evaluate, train
 from train.step import TrainConfig
@@ -66,7 +69,29 @@ def speculative_vs_plain(cfg, params, prompts, max_new_tokens: int, compiled) ->
         raise AssertionError("speculative greedy output differs from plain greedy generate")
     return {"plain_tokens_per_s": plain.lengths.sum() / plain_s, "spec_tokens_per_s": spec.lengths.sum() / spec_s,
             "mean_accept": spec.mean_accept, "steps": spec.steps, "tokens": int(spec.lengths.sum()),
-            "position_acceptance": np.nan_to_num(spec.position_acceptance).tolist()}
+            "position_acceptance": np.nan_to_num(spec.position_acceptance).tolist(),
+            "texts": [decode(row[:n]) for row, n in zip(plain.tokens, plain.lengths)]}
+
+
+def shipped_model(max_new_tokens: int) -> None:
+    """Print greedy continuations of `PROMPTS` and of a pass-key prompt by the shipped research model
+    (`csa2.checkpoints.bundled("tiny-v41")`, loaded as a released checkpoint), plain and speculative."""
+    path = bundled("tiny-v41")
+    cfg, params = load_hf(path, read_config(path).replace(dtype="float32"))  # float32: the compute of its card
+    key_prompt, key = passkey_example(np.random.default_rng(0), 512, 0.5)
+    prompts = [encode(text) for text in PROMPTS] + [key_prompt]
+    plan = generate.plan(cfg, prompts, max_new_tokens=max_new_tokens)
+    spec = speculative_vs_plain(cfg, params, prompts, max_new_tokens, generate.lower(cfg, params, plan).compile())
+    print(f"# shipped research model {path.name} ({cfg.num_hidden_layers} layers on the release's schedule, "
+          f"d = {cfg.hidden_size}; its card: {path / 'README.md'}), greedy:")
+    for text, out in zip(PROMPTS, spec["texts"]):
+        print(f"  {text!r} → {out!r}")
+    answer = spec["texts"][-1][:key.size]
+    print(f"  a pass key 512 tokens back, at half depth: asked {decode(key)!r}, answered {answer!r} "
+          f"({'retrieved' if answer == decode(key) else 'missed'})")
+    print(f"# speculative greedy decoding on it: {spec['tokens']} tokens in {spec['steps']} steps, identical to "
+          f"plain; mean accepted drafts {spec['mean_accept']:.2f} per step; {spec['spec_tokens_per_s']:.1f} vs "
+          f"{spec['plain_tokens_per_s']:.1f} tokens/s plain")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# greedy, {len(prompts)} prompts in one batch: {spec['tokens']} tokens in {spec['steps']} speculative "
           f"steps, identical to plain generate; acceptance per draft position "
           + ", ".join(f"{a:.2f}" for a in spec["position_acceptance"])
-          + f"; whole demo {time.perf_counter() - t0:.0f}s")
+          + f"; {time.perf_counter() - t0:.0f}s so far")
+    shipped_model(args.max_new_tokens)
+    print(f"# whole demo {time.perf_counter() - t0:.0f}s")
     print(f"val_bpb: {val_bpb:.4f}")
     print(f"tokens_per_s: {tokens_per_s:.2f}")
     print(f"kv_bytes_per_token: {kv:.1f}")
