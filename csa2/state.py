@@ -24,14 +24,18 @@ rings of all layers are one buffer `[B, L, slots, ·]`.
 
 What is bitwise, and what is equal to rounding. A row's outputs and state never depend on the other rows of
 its batch, but "the same" means two things:
-- **bitwise**, at fixed shapes: in one program (the same batch size, chunk length and capacity), changing another
-  row's tokens or length changes no bit of a row's logits or state; `fork` is a gather, so a forked row holds its
-  source row's bits; resume, checkpoints, storage formats and gathers are bit-exact.
-- **to float rounding**, across shapes: the same rows run at a different batch size, chunking or length are a
-  different program, and XLA:CPU promises no bitwise equality between those (vector widths, tiling, summation
-  order and library kernels follow the shape and the host's ISA). With the float numerics (`numerics="float"`)
-  they agree to a few ulps; with the SPEC §8 numerics those ulps can flip a rare FP4/FP8 element at a rounding
-  midpoint, moving later logits by ~1e-3, and a greedy token can flip where two logits tie to that precision.
+- **bitwise**, at fixed shapes and batch positions: in one program (the same batch size, chunk length and
+  capacity), changing another row's tokens or length changes no bit of a row's logits or state; `fork` is a
+  gather, so a forked row holds its source row's bits; resume, checkpoints, storage formats and gathers are
+  bit-exact.
+- **to float rounding**, across shapes or positions: the same rows run at a different batch size, chunking or
+  length are a different program, and XLA:CPU promises no bitwise equality between those (vector widths, tiling,
+  summation order and library kernels follow the shape and the host's ISA). A row moved to another batch position
+  (a forked row continued where its source was not) is in the same place: XLA:CPU may round a row by where it
+  falls in a tile (on AVX2 the DSpark block's attention does, by up to 2.7e-7). With the float numerics
+  (`numerics="float"`) they agree to a few ulps; with the SPEC §8 numerics those ulps can flip a rare FP4/FP8
+  element at a rounding midpoint, moving later logits by ~1e-3, and a greedy token can flip where two logits tie
+  to that precision.
 The tests state each promise where it applies (`tests/csa2/test_model.py`, the fuzz harness `infer.fuzz` and its
 fast slice `tests/infer/test_fuzz.py`), and the cross-shape ones run again under another instruction set
 (`tests/test_isa.py`).

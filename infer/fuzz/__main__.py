@@ -3,10 +3,10 @@
     python -m infer.fuzz [--property NAME ...] [--cases 1000] [--seed 0] [--numerics float|spec] [--rows 8]
                          [--first-batch K] [--mutants] [--json FILE]
 
-Properties (`infer.fuzz.properties`): chunk_exact, chunk_replay, commit, fork, prefix_hit, verify_scratch,
-generate_stops, sharded (default: all). A case is one row of a batch of `--rows` independent rows. Prints one line
-per property (cases, violations, the largest difference and the tolerance, how many cases differed at all, seconds,
-the first failing batch: rerun it alone with `--seed S --first-batch K --cases 1`).
+Properties (`infer.fuzz.properties`): chunk_exact, chunk_replay, commit, fork, fork_moved, prefix_hit,
+verify_scratch, generate_stops, sharded (default: all). A case is one row of a batch of `--rows` independent rows.
+Prints one line per property (cases, violations, the largest difference and the tolerance, how many cases differed
+at all, seconds, the first failing batch: rerun it alone with `--seed S --first-batch K --cases 1`).
 
 `--numerics float` (default) checks the float model to float rounding (1e-5). `spec` runs the SPEC §8 numerics
 (tolerance 1e-2), where a rare FP4/FP8 element flips at a rounding midpoint: a case beyond the tolerance is drawn
@@ -26,7 +26,8 @@ import json
 import os
 import sys
 
-NAMES = ("chunk_exact", "chunk_replay", "commit", "fork", "prefix_hit", "verify_scratch", "generate_stops", "sharded")
+NAMES = ("chunk_exact", "chunk_replay", "commit", "fork", "fork_moved", "prefix_hit", "verify_scratch",
+         "generate_stops", "sharded")
 DEVICES = 8
 
 

@@ -80,12 +80,14 @@ MUTANTS = {
     "chunk_replay": _tail_dropped,
     "commit": _commit_one_row_more,
     "fork": _fork_keeps_lengths,
+    "fork_moved": _fork_keeps_lengths,
     "prefix_hit": _hit_entry_zeroed,
     "verify_scratch": _draft_reads_scratch,
     "generate_stops": _emit_past_stop,
     "sharded": _expert_offset_lost,
 }
-HOST_SIDE = {"commit", "fork", "prefix_hit"}  # their property calls the patched function outside any traced program
+# their property calls the patched function outside any traced program
+HOST_SIDE = {"commit", "fork", "fork_moved", "prefix_hit"}
 
 
 @contextlib.contextmanager

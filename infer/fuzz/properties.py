@@ -86,16 +86,37 @@ def commit(bench: Bench, rng: np.random.Generator) -> np.ndarray:
                         *zip(bench.readout(committed, cont), bench.readout(reference, cont))])
 
 
-def fork(bench: Bench, rng: np.random.Generator) -> np.ndarray:
-    """A forked row continues as its source row does, and independently of its siblings: `fork(state, rows)` (rows
-    drawn with repeats) then a continuation where some rows diverge; every other row's readout equals its source
-    row's in the unforked batch continued with the same tokens."""
+def _forked(bench: Bench, rng: np.random.Generator):
+    """A prefilled batch, the rows a fork draws (repeats included), which of them diverge, and two continuations:
+    `base` for the unforked batch and `tokens` (`base[rows]`, other tokens on the diverging rows)."""
     lengths, prompts = _lengths(bench, rng), bench.tokens(rng, bench.prompt)
     rows = rng.integers(0, bench.rows, bench.rows).astype(np.int32)
     base = bench.tokens(rng, CONTINUATION)
     diverge = rng.random(bench.rows) < 0.3
     tokens = np.where(diverge[:, None], bench.tokens(rng, CONTINUATION), base[rows])
     _, state = bench.prefill(bench.empty(), prompts, lengths)
+    return state, rows, diverge, base, tokens
+
+
+def fork(bench: Bench, rng: np.random.Generator) -> np.ndarray:
+    """`fork(state, rows)` is a gather, and a forked row is independent of its siblings: every leaf of row i is
+    row `rows[i]` of `state` (NumPy's gather of the same leaves), and each non-diverging row's readout is the same
+    when the diverging rows are forked from other source rows and continued with other tokens (one batch position,
+    one program: bit for bit)."""
+    state, rows, diverge, base, tokens = _forked(bench, rng)
+    others = np.where(diverge, rng.integers(0, bench.rows, bench.rows), rows).astype(np.int32)
+    forked = model.fork(state, bench.put(rows))
+    gathered = differences((np.asarray(a)[rows], b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(forked)))
+    siblings = differences(zip(bench.readout(forked, base[rows]),
+                               bench.readout(model.fork(state, bench.put(others)), tokens)))
+    return np.where(diverge, np.nan, np.maximum(gathered, siblings))
+
+
+def fork_moved(bench: Bench, rng: np.random.Generator) -> np.ndarray:
+    """A forked row continues as its source row does: each non-diverging row's readout equals its source row's in
+    the unforked batch continued with the same tokens. The row sits at another batch position there, and XLA:CPU
+    may round a matmul row by its position (a tile's remainder rows take another kernel), so to rounding."""
+    state, rows, diverge, base, tokens = _forked(bench, rng)
     forked = model.fork(state, bench.put(rows))
     errors = differences([(a[rows], b) for a, b in zip(bench.readout(state, base), bench.readout(forked, tokens))])
     return np.where(diverge, np.nan, errors)
@@ -206,6 +227,7 @@ PROPERTIES = {p.name: p for p in (
     Property("chunk_replay", chunk_replay, bitwise=False),
     Property("commit", commit, bitwise=False),
     Property("fork", fork, bitwise=True),
+    Property("fork_moved", fork_moved, bitwise=False),
     Property("prefix_hit", prefix_hit, bitwise=False),
     Property("verify_scratch", verify_scratch, bitwise=True),
     Property("generate_stops", generate_stops, bitwise=True),

@@ -18,7 +18,7 @@ from infer.fuzz.properties import PROPERTIES, Property
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES, ROWS = 20, 4
-CROSS_SHAPE = ("chunk_exact", "chunk_replay")
+CROSS_SHAPE = ("chunk_exact", "chunk_replay", "fork_moved")
 IN_PROCESS = [pytest.param(name, marks=[pytest.mark.cross_shape] if name in CROSS_SHAPE else [])
               for name in PROPERTIES if name != "sharded"]
 
@@ -92,8 +92,14 @@ def test_command_refuses_bad_arguments():
 
 @pytest.mark.parametrize("name", ["commit", "fork", "prefix_hit", "chunk_exact", "verify_scratch", "generate_stops"])
 def test_planted_mutant_is_caught(bench, name):
-    """Each property catches its mutant within 8 batches (the sharded one and chunk_replay's, which is
-    chunk_exact's, run in `python -m infer.fuzz --mutants`)."""
+    """Each property catches its mutant within 8 batches (the sharded one, and chunk_replay's and fork_moved's,
+    which are chunk_exact's and fork's, run in `python -m infer.fuzz --mutants`)."""
     with mutants.planted(name):
         report = run.run(bench, PROPERTIES[name], 8 * ROWS, seed=1, until_failure=True)
     assert not report.holds and report.first_failure is not None
+
+
+def test_command_offers_every_property():
+    """The CLI's property names (kept before JAX is imported) are the harness's."""
+    from infer.fuzz.__main__ import NAMES
+    assert NAMES == tuple(PROPERTIES)
