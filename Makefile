@@ -24,7 +24,7 @@ TEST_WORKERS ?= 2
 # The linter runs first (pyproject.toml's [tool.ruff]; alone: `.venv/bin/ruff check .`): a lint error fails the target.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset v41_flash --context 1048576

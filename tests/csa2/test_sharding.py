@@ -209,13 +209,13 @@ ENTRY_POINTS = textwrap.dedent("""
                 if step == 0:
                     out["train_loss"], out["train_grad_norm"] = metrics["loss"], metrics["grad_norm"]
             out["train_step"] = train.params
-        logits, state, _ = api.prefill(params, state, put(prompt))
+        logits, state, _ = api.prefill(params, state, put(prompt), numerics="float")
         out["prefill"] = logits
         for i in range(2):
-            logits, state = api.decode_step(params, state, put(steps[:, i]))
+            logits, state = api.decode_step(params, state, put(steps[:, i]), numerics="float")
         out["decode_step"] = logits
         if "verify" in parts:
-            logits, state = api.verify(params, state, put(block))
+            logits, state = api.verify(params, state, put(block), numerics="float")
             state = model.commit(state, put(accept), put(block[:, 0]))
             out["verify"], out["commit"] = logits, state
         return out, train, state
@@ -223,18 +223,19 @@ ENTRY_POINTS = textwrap.dedent("""
     class OnMesh:  # the entry points compiled for a mesh, with OneDevice's calls
         def __init__(self, mesh, rules):
             self.forward = lambda params, tokens: model.forward.on(mesh, rules)(cfg, params, tokens)
-            self.prefill = lambda *a: model.prefill.on(mesh, rules)(cfg, *a)
-            self.decode_step = lambda *a: model.decode_step.on(mesh, rules)(cfg, *a)
-            self.verify = lambda *a: model.verify.on(mesh, rules)(cfg, *a)
+            self.prefill = lambda *a, **k: model.prefill.on(mesh, rules)(cfg, *a, **k)
+            self.decode_step = lambda *a, **k: model.decode_step.on(mesh, rules)(cfg, *a, **k)
+            self.verify = lambda *a, **k: model.verify.on(mesh, rules)(cfg, *a, **k)
 
     class OneDevice:
         forward = staticmethod(lambda params, tokens: model.forward(cfg, params, tokens))
-        prefill = staticmethod(lambda *a: model.prefill(cfg, *a))
-        decode_step = staticmethod(lambda *a: model.decode_step(cfg, *a))
-        verify = staticmethod(lambda *a: model.verify(cfg, *a))
+        prefill = staticmethod(lambda *a, **k: model.prefill(cfg, *a, **k))
+        decode_step = staticmethod(lambda *a, **k: model.decode_step(cfg, *a, **k))
+        verify = staticmethod(lambda *a, **k: model.verify(cfg, *a, **k))
 
     params = model.init_params(cfg, jax.random.PRNGKey(0))
-    # A float cache: packed bits would turn 1e-7 differences into whole FP8/FP4 rounding steps.
+    # The float numerics on a float cache: the SPEC §8 ones would turn 1e-7 differences into whole FP8/FP4 rounding
+    # steps of a rare element (the fuzz harness's sharded property explains those, `infer.fuzz`).
     want, _, _ = run(OneDevice, lambda *a: train_lib.train_step(cfg, tc, *a), params, init_state(cfg, 8, 64, "float"),
                      train_lib.init_train_state(cfg, tc), lambda x: x, ALL)
     want = jax.tree.map(np.asarray,
@@ -275,17 +276,17 @@ ENTRY_POINTS = textwrap.dedent("""
 
 
 def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
-    """forward, a train step, prefill + decode, verify + commit (float cache) through `EntryPoint.on(mesh, rules)`
+    """forward, a train step, prefill + decode, verify + commit (the float numerics on a float cache) through
+    `EntryPoint.on(mesh, rules)`
     (explicit in/out shardings) on meshes 8×1×1, 2×2×2 and 1×2×4 (data, tensor, expert):
     within 1e-5 of one device. Prefill + decode run on every mesh, the rest on 2×2×2 and one other mesh
     (forward on 8×1×1; training, verify and commit on 1×2×4). The meshes with an expert axis run the MoE
     expert-parallel (a shard_map in the lowered program); parameters, optimizer moments and every state leaf
     keep their shardings.
 
-    Two results amplify last-ulp differences of the partitioned sums, so they are held to what that can cost:
-    the cache's SPEC §8 fake-quant can flip a rare element by one FP4 step (a few 1e-4 in the verify logits, as
-    in the fuzz harness, `infer.fuzz`), and AdamW's second step moves each weight by ~lr·sign(g), so a gradient within
-    rounding of 0 can move its weight by up to 2·lr."""
+    AdamW's second step amplifies last-ulp differences of the partitioned sums, so the trained weights are held to
+    what that can cost: it moves each weight by ~lr·sign(g), so a gradient within rounding of 0 can move its weight
+    by up to 2·lr."""
     env = mesh_lib.simulated_cpu_env(8)
     out = subprocess.run([sys.executable, "-c", ENTRY_POINTS], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
@@ -302,11 +303,7 @@ def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
              "1x2x4": ("train_loss", "train_grad_norm", "train_step", "prefill", "decode_step", "verify", "commit")}
     assert set(worst) == {(n, m) for m, ns in names.items() for n in ns}
     for (name, mesh), err in worst.items():
-        if name in ("forward", "train_loss", "train_grad_norm", "prefill", "decode_step"):
-            assert err <= 1e-5, (name, mesh, err)
-        elif name == "train_step":
+        if name == "train_step":
             assert err <= 2 * 3e-3 and share[name, mesh] <= 1e-3, (name, mesh, err, share[name, mesh])
-        elif name == "verify":
-            assert err <= 1e-2, (name, mesh, err)
         else:
-            assert share[name, mesh] <= 2e-3, (name, mesh, share[name, mesh])
+            assert err <= 1e-5, (name, mesh, err)
