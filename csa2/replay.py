@@ -102,6 +102,20 @@ def token_layers(cfg: ModelConfig, policy: ReplayPolicy, n: int) -> int:
     return every * n + (layers - every) * t
 
 
+def exact_window(cfg: ModelConfig, split_layer: int | None = None) -> int:
+    """The replay window R from which a bounded prefill's last position is the exact one's (to float rounding):
+    `D·(W − 1) + 1` for the `D = L − split` layers that run on the tail (`split_layer` as `ReplayPolicy`'s).
+
+    Why: every position runs through the layers before the split, and the split layer's compressor takes every
+    row, so the Global KV is exact; what replay cuts is the SWA of the tail layers, floored at the tail start
+    `N − R`. A window reaches `W − 1` positions back, so the first tail layer's output is exact from `N − R + W − 1`
+    on, and each later layer moves that edge `W − 1` further; after `D` layers it passes the last position `N − 1`
+    exactly when `R ≥ D·(W − 1) + 1`. The bound is sufficient, not a cliff: just below it only the far edge of
+    the last position's receptive field is cut, and how much that moves it depends on the weights."""
+    split = ReplayPolicy(window=1, split_layer=split_layer).split(cfg)
+    return (cfg.num_hidden_layers - split) * (cfg.sliding_window - 1) + 1
+
+
 def drafting_replay(cfg: ModelConfig, policy: ReplayPolicy) -> ReplayPolicy:
     """The policy a caller that drafts (SPEC §12) prefills with: `policy` with its window raised to the sliding
     window W when R < W, i.e. `ReplayPolicy(window=max(R, W))` with the same split and short-extend mode; exact
