@@ -115,7 +115,7 @@ def fork(bench: Bench, rng: np.random.Generator) -> np.ndarray:
 def fork_moved(bench: Bench, rng: np.random.Generator) -> np.ndarray:
     """A forked row continues as its source row does: each non-diverging row's readout equals its source row's in
     the unforked batch continued with the same tokens. The row sits at another batch position there, and XLA:CPU
-    may round a matmul row by its position (a tile's remainder rows take another kernel), so to rounding."""
+    may round a row by its position in the batch (on AVX2 the DSpark block's attention does), so to rounding."""
     state, rows, diverge, base, tokens = _forked(bench, rng)
     forked = model.fork(state, bench.put(rows))
     errors = differences([(a[rows], b) for a, b in zip(bench.readout(state, base), bench.readout(forked, tokens))])

@@ -277,9 +277,8 @@ ENTRY_POINTS = textwrap.dedent("""
 
 def test_sharded_entry_points_equal_the_single_device_ones_on_8_devices():
     """forward, a train step, prefill + decode, verify + commit (the float numerics on a float cache) through
-    `EntryPoint.on(mesh, rules)`
-    (explicit in/out shardings) on meshes 8×1×1, 2×2×2 and 1×2×4 (data, tensor, expert):
-    within 1e-5 of one device. Prefill + decode run on every mesh, the rest on 2×2×2 and one other mesh
+    `EntryPoint.on(mesh, rules)` (explicit in/out shardings) on meshes 8×1×1, 2×2×2 and 1×2×4 (data, tensor,
+    expert): within 1e-5 of one device. Prefill + decode run on every mesh, the rest on 2×2×2 and one other mesh
     (forward on 8×1×1; training, verify and commit on 1×2×4). The meshes with an expert axis run the MoE
     expert-parallel (a shard_map in the lowered program); parameters, optimizer moments and every state leaf
     keep their shardings.
