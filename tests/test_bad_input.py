@@ -161,6 +161,9 @@ CLI = [
     ("train.bench: batch of zero", "train.bench", lambda t: ["--batch-size", "0"], "must be ≥ 1"),
     ("infer.bench_model: zero reps", "infer.bench_model", lambda t: ["--reps", "0"], "must be ≥ 1"),
     ("infer.fuzz: odd rows", "infer.fuzz.__main__", lambda t: ["--rows", "3"], "--rows 3"),
+    ("train.retrieval_curve: no run", "train.retrieval_curve", lambda t: [str(t)], "no recipe.json"),
+    ("train.retrieval_curve: zero samples", "train.retrieval_curve", lambda t: [str(t), "--samples", "0"],
+     "--samples 0: read at least 1 key"),
 ]
 
 

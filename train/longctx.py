@@ -47,6 +47,7 @@ from csa2.config import ModelConfig
 from csa2.presets import BOS_ID, preset
 from csa2.replay import EXACT, ReplayPolicy
 from csa2.tokenizer import encode
+from infer import stats
 from train.data import load_corpus, multi_needle_example, passkey_example
 from train.loop import train
 from train.step import TrainConfig
@@ -253,6 +254,24 @@ def retrieval_scores(cfg: ModelConfig, params, recipe: LongCtxRecipe, *, qat: bo
     return exact, digits
 
 
+def _proportion(hits: np.ndarray) -> dict:
+    return stats.proportion_interval(int(hits.sum()), hits.size).as_dict()
+
+
+def passkey_figures(cfg: ModelConfig, params, recipe: LongCtxRecipe, replay: ReplayPolicy = EXACT) -> dict:
+    """{length: keys retrieved and digits right, each a share with its 95 % Wilson interval, and keys by depth}
+    over `recipe.eval_lengths` under `replay` (`passkey_reads`, SPEC §8 numerics). Keys are independent prompts;
+    the digits of one key are not, so the digits' interval is narrower than their evidence."""
+    out = {}
+    for length in recipe.eval_lengths:
+        hit, _ = passkey_reads(cfg, params, recipe, length, replay=replay)
+        keys = hit.all(axis=2)  # [samples, depths]
+        out[str(length)] = {"keys": _proportion(keys), "digits": _proportion(hit),
+                            "keys_by_depth": {f"{d:g}": float(k) for d, k in zip(recipe.eval_depths,
+                                                                                 keys.mean(axis=0))}}
+    return out
+
+
 def passkey_accuracy(cfg: ModelConfig, params, recipe: LongCtxRecipe, *,
                      qat: bool = True) -> dict[str, dict[str, float]]:
     """{length: {depth: share of pass keys retrieved}}: the `exact` table of `retrieval_scores`."""
@@ -306,6 +325,17 @@ def write_recipe(out: pathlib.Path, recipe) -> None:
     """Store `recipe` (a dataclass or a dict of JSON values) as `out/recipe.json`, what `check_recipe` compares."""
     out.mkdir(parents=True, exist_ok=True)
     (out / RECIPE).write_text(json.dumps(_as_json(recipe), indent=1) + "\n")
+
+
+def read_recipe(out: pathlib.Path) -> LongCtxRecipe:
+    """The `LongCtxRecipe` a run directory stores in `out/recipe.json` (ValueError when there is none)."""
+    path = out / RECIPE
+    if not path.exists():
+        raise ValueError(f"{out}: no {RECIPE}, so it holds no long-context run; give a directory that "
+                         "`python -m train --recipe longctx` or `train.longctx.fit` wrote")
+    fields = json.loads(path.read_text())
+    return LongCtxRecipe(**{k: tuple(tuple(v) if isinstance(v, list) else v for v in value)
+                            if isinstance(value, list) else value for k, value in fields.items()})
 
 
 def check_recipe(out: pathlib.Path, recipe) -> None:

@@ -76,22 +76,6 @@ class Recipe:
 RECIPE = Recipe()
 
 
-def _proportion(hits: np.ndarray) -> dict:
-    return stats.proportion_interval(int(hits.sum()), hits.size).as_dict()
-
-
-def passkey_figures(cfg: ModelConfig, params, recipe: Recipe, replay: ReplayPolicy) -> dict:
-    """{length: keys retrieved and digits right, each with its interval, and keys by depth} under `replay`."""
-    out = {}
-    for length in recipe.backbone.eval_lengths:
-        hit, _ = longctx.passkey_reads(cfg, params, recipe.backbone, length, replay=replay)
-        keys = hit.all(axis=2)  # [samples, depths]
-        out[str(length)] = {"keys": _proportion(keys), "digits": _proportion(hit),
-                            "keys_by_depth": {f"{d:g}": float(k) for d, k in zip(recipe.backbone.eval_depths,
-                                                                                 keys.mean(axis=0))}}
-    return out
-
-
 def bpb_figures(cfg: ModelConfig, params) -> dict:
     """Validation bits per byte, float and SPEC §8 numerics, pooled over 8 × 128-byte batches (the unit of n)."""
     valid = load_corpus().valid
@@ -120,9 +104,10 @@ def measure(path: pathlib.Path, recipe: Recipe, log=print) -> dict:
     cfg, params = layouts.load(path, layouts.load_config(path).replace(dtype=COMPUTE_DTYPE))
     out = {"compute_dtype": COMPUTE_DTYPE}
     t0 = time.perf_counter()
-    out["passkey_exact"] = passkey_figures(cfg, params, recipe, EXACT)
+    out["passkey_exact"] = longctx.passkey_figures(cfg, params, recipe.backbone, EXACT)
     log(f"# pass keys, exact prefill: {time.perf_counter() - t0:.0f} s")
-    out["passkey_replay"] = passkey_figures(cfg, params, recipe, ReplayPolicy(window=recipe.replay_window))
+    out["passkey_replay"] = longctx.passkey_figures(cfg, params, recipe.backbone,
+                                                    ReplayPolicy(window=recipe.replay_window))
     log(f"# pass keys, replay R = {recipe.replay_window}: {time.perf_counter() - t0:.0f} s")
     out["bpb"] = bpb_figures(cfg, params)
     log(f"# bits per byte: {time.perf_counter() - t0:.0f} s")

@@ -217,6 +217,14 @@ def latest_step(directory) -> int | None:
         return mngr.latest_step()
 
 
+def saved_steps(directory) -> list[int]:
+    """Every saved step in `directory`, oldest first (empty when there is none, or no directory)."""
+    if not os.path.isdir(directory):
+        return []
+    with _manager(directory) as mngr:
+        return sorted(mngr.all_steps())
+
+
 BACKBONE = "backbone"  # the whole model's params (python -m train)
 DRAFTER_KIND = "drafter"  # the DSpark drafter's subtree alone (python -m train.dspark)
 KINDS = (BACKBONE, DRAFTER_KIND)

@@ -1,18 +1,21 @@
 """The training CLI's numerics (SPEC §8 QAT by default, `--float` the ablation) and the long-context recipe
-(`train.longctx`): its mixed batches, its CLI, its cached checkpoint. Every run here is the fast variant."""
+(`train.longctx`): its mixed batches, its CLI, its cached checkpoint, and the retrieval curve over a run's saved
+steps (`train.retrieval_curve`). Every run here is the fast variant."""
 
 import dataclasses
 import json
 import pathlib
 import re
+import shutil
 import threading
 
 import jax
 import numpy as np
 import pytest
 
+from csa2.checkpoints import native
 from csa2.presets import BOS_ID, preset
-from train import __main__ as cli, longctx
+from train import __main__ as cli, longctx, retrieval_curve
 from train.data import load_corpus
 from train.loop import train
 from train.step import TrainConfig
@@ -194,3 +197,25 @@ def test_recipe_cli_writes_the_accuracy_json(built, tmp_path, monkeypatch, capsy
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == f"passkey_accuracy: {written['mean']:.4f}"
     assert "teacher-forced" in out
+
+
+def test_read_recipe_gives_back_the_stored_recipe(built, tmp_path):
+    out, _ = built
+    assert longctx.read_recipe(out) == FAST
+    with pytest.raises(ValueError, match="recipe.json"):
+        longctx.read_recipe(tmp_path)
+
+
+def test_retrieval_curve_scores_each_saved_step_once(built, tmp_path):
+    """`train.retrieval_curve`: one line per saved step with its pass-key shares and intervals; a second look
+    scores nothing again; following a finished run returns without waiting."""
+    run = tmp_path / "run"
+    shutil.copytree(built[0], run)
+    (row,) = retrieval_curve.update(run, (128,), 1, log=lambda _: None)
+    assert row["step"] == FAST.steps == native.latest_step(run)
+    keys = row["passkey"]["128"]["keys"]
+    assert keys["n"] == len(FAST.eval_depths) and keys["lo"] <= keys["value"] <= keys["hi"]
+    assert retrieval_curve.update(run, (128,), 1, log=lambda _: None) == []
+    retrieval_curve.follow(run, (128,), 1, poll_s=1.0, log=lambda _: None, sleep=lambda _: pytest.fail("waited"))
+    assert [json.loads(line) for line in (run / retrieval_curve.CURVE).read_text().splitlines()] == [row]
+
