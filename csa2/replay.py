@@ -112,8 +112,9 @@ def exact_window(cfg: ModelConfig, split_layer: int | None = None) -> int:
     on, and each later layer moves that edge `W − 1` further; after `D` layers it passes the last position `N − 1`
     exactly when `R ≥ D·(W − 1) + 1`. The bound is sufficient, not a cliff: just below it only the far edge of
     the last position's receptive field is cut, and how much that moves it depends on the weights."""
-    split = ReplayPolicy(window=1, split_layer=split_layer).split(cfg)
-    return (cfg.num_hidden_layers - split) * (cfg.sliding_window - 1) + 1
+    policy = ReplayPolicy(window=1, split_layer=split_layer)
+    policy.check(cfg)  # a split before the decoder or past the last layer is refused by name
+    return (cfg.num_hidden_layers - policy.split(cfg)) * (cfg.sliding_window - 1) + 1
 
 
 def drafting_replay(cfg: ModelConfig, policy: ReplayPolicy) -> ReplayPolicy:

@@ -31,8 +31,8 @@ its batch, but "the same" means two things:
 - **to float rounding**, across shapes or positions: the same rows run at a different batch size, chunking or
   length are a different program, and XLA:CPU promises no bitwise equality between those (vector widths, tiling,
   summation order and library kernels follow the shape and the host's ISA). A row moved to another batch position
-  (a forked row continued where its source was not) is in the same place: XLA:CPU may round a row by where it
-  falls in a tile (on AVX2 the DSpark block's attention does, by up to 2.7e-7). With the float numerics
+  (a forked row continued where its source was not) is in the same place: XLA:CPU may round a row by its position
+  in the batch (on AVX2 the DSpark block's attention does, by up to 2.7e-7). With the float numerics
   (`numerics="float"`) they agree to a few ulps; with the SPEC §8 numerics those ulps can flip a rare FP4/FP8
   element at a rounding midpoint, moving later logits by ~1e-3, and a greedy token can flip where two logits tie
   to that precision.

@@ -16,7 +16,9 @@ N = 100  # prompt tokens: longer than every window below
 def test_the_bound_counts_the_tail_layers(mini, tiny):
     assert exact_window(mini) == 4 * 15 + 1  # layers 4-7 on the tail, W = 16
     assert exact_window(mini, split_layer=5) == 3 * 15 + 1
-    assert exact_window(tiny) == (tiny.num_hidden_layers - tiny.first_decoder_layer) * (tiny.sliding_window - 1) + 1
+    assert exact_window(tiny) == 20 * 15 + 1  # layers 20-39 on the tail, W = 16
+    with pytest.raises(ValueError, match="split_layer=2"):
+        exact_window(mini, split_layer=2)
 
 
 @pytest.fixture(scope="module")
