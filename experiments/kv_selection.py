@@ -29,7 +29,7 @@ from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
 from experiments import topk
 from research import selection
-from research.probe import Probe, Probes
+from research.probe_stats import ProbeStats, Summary
 from train.data import multi_needle_example, passkey_example
 
 NAMES = ("csa2", "oracle", "streamingllm", "h2o", "snapkv", "pyramidkv", "quest")
@@ -44,15 +44,15 @@ def policies() -> dict[str, selection.Policy | None]:
     return found
 
 
-def run(cfg: ModelConfig, params, tokens, policy: selection.Policy | None, start) -> tuple[np.ndarray, Probe]:
-    """Log-probabilities `[B, S, V]` and every layer's probe record `[L, B, S, ·]` of `tokens [B, S]` under
-    `policy` from position `start` (an int or one per row) on, as host arrays."""
-    instrument = Probes() if policy is None else Joined(selection.KVSelection(policy, start), Probes())
+def run(cfg: ModelConfig, params, tokens, policy: selection.Policy | None, start) -> tuple[np.ndarray, Summary]:
+    """Log-probabilities `[B, S, V]` and every layer's probe statistics `[L, B, S, ·]` (`research.probe_stats`)
+    of `tokens [B, S]` under `policy` from position `start` (an int or one per row) on, as host arrays."""
+    instrument = ProbeStats() if policy is None else Joined(selection.KVSelection(policy, start), ProbeStats())
     logits, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, instrument=instrument)
     return np.asarray(jax.nn.log_softmax(logits, axis=-1)), jax.tree.map(np.asarray, aux["tap"])
 
 
-def budget_use(cfg: ModelConfig, rec: Probe, policy: selection.Policy | None, start) -> dict[str, float]:
+def budget_use(cfg: ModelConfig, rec: Summary, policy: selection.Policy | None, start) -> dict[str, float]:
     """{reads, kept, recall, lost}, means over the Global-reading layers and the queries at positions ≥ `start`
     that see more entries than `index_topk` (see the module docstring)."""
     evicts = policy is not None and policy.evicts
@@ -60,12 +60,12 @@ def budget_use(cfg: ModelConfig, rec: Probe, policy: selection.Policy | None, st
     for spec in layer_plan(cfg):
         if spec.role == "swa":
             continue
-        mass, ids = rec.mass[spec.index], rec.topk[spec.index]  # [B, S, N], [B, S, K]
-        s = mass.shape[1]
+        ids = rec.topk[spec.index]  # [B, S, K]
+        s = ids.shape[1]
         visible = np.asarray(visible_entries(np.arange(s), spec.ratio))  # [S]
-        where = topk.counted(cfg, spec.index, mass) & (np.arange(s) >= np.reshape(start, (-1, 1)))
+        where = topk.counted(cfg, spec.index, rec) & (np.arange(s) >= np.reshape(start, (-1, 1)))
         reads = np.sum(ids >= 0, axis=-1)
-        recall = topk.recall(mass, ids)
+        recall = topk.share(rec.read[spec.index], rec.total[spec.index])
         sums["reads"].append(reads[where])
         sums["kept"].append((reads / np.maximum(visible, 1) if evicts else np.ones_like(reads, float))[where])
         sums["recall"].append(recall[where])
@@ -96,7 +96,7 @@ def needle_span(prompt: np.ndarray, answer: np.ndarray) -> tuple[int, int]:
     return hits[0], hits[0] + n
 
 
-def needle_reads(cfg: ModelConfig, rec: Probe, spans, start: int, n: int) -> np.ndarray:
+def needle_reads(cfg: ModelConfig, rec: Summary, spans, start: int, n: int) -> np.ndarray:
     """Per row: the share of (Global-reading layer, answer query at positions `start … start + n − 1`) pairs
     whose read set holds an entry of the needle (`spans [B]` token ranges; entry i covers tokens
     `[i·ratio, (i + 1)·ratio)`, SPEC §4). Retrieval through the Global KV needs this; an evicting policy that

@@ -1,8 +1,9 @@
 """Top-K under the microscope (SPEC §5): how much of the attention that matters each layer's selection finds.
 
-`probe` runs the model once (`csa2.model.forward(..., instrument=Probes())`, SPEC §8 numerics) and returns
-every layer's record (`research.probe.Probe`): the dense attention mass of each Global entry next to what the layer
-read. The measures below are host-side arithmetic on those records:
+`probe` runs the model once (`csa2.model.forward(..., instrument=ProbeStats())`, SPEC §8 numerics) and returns
+every layer's statistics (`research.probe_stats.Summary`): the dense attention mass each query's selections
+capture, reduced inside the compiled model, so a probe costs O(S·K) memory and reaches 16K-token prompts. The
+measures below are host-side arithmetic on those statistics:
 
 - recall(set) = Σ_{e ∈ set} mass_e / Σ_e mass_e: the share of the Global attention mass the set captures;
 - oracle: the `index_topk` entries of largest mass, the best any selection of that size reaches;
@@ -12,6 +13,9 @@ read. The measures below are host-side arithmetic on those records:
 Only queries where selection matters count: more visible entries than `index_topk` (below that every
 selection holds every visible entry and its recall is 1 by construction; a sweep uses its largest
 `index_topk` for every point, so all points count the same queries), and some Global mass.
+
+`selected`, `recall`, `oracle` and `overlap` are the same measures on the full per-entry records of
+`research.probe.Probes` (host arrays `[..., N]`), for short prompts and per-entry maps.
 """
 
 from __future__ import annotations
@@ -26,13 +30,21 @@ from csa2 import model
 from csa2.config import ModelConfig
 from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
-from research.probe import Probe, Probes
+from research.probe_stats import ProbeStats, Summary
 
 
-def probe(cfg: ModelConfig, params, tokens) -> Probe:
-    """Every layer's probe record for prompts `tokens [B, S]`, as host arrays `[L, B, S, ·]`."""
-    _, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, instrument=Probes())
+def probe(cfg: ModelConfig, params, tokens, edges=()) -> Summary:
+    """Every layer's statistics for prompts `tokens [B, S]`, as host arrays `[L, B, S, ·]`; `edges`: the
+    token-distance bins of `misses_by_distance`."""
+    instrument = ProbeStats(edges=tuple(int(e) for e in edges))
+    _, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, instrument=instrument)
     return jax.tree.map(np.asarray, aux["tap"])
+
+
+def share(part: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """`part / total`, NaN where `total` is 0 (a query with no Global mass)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, part / total, np.nan)
 
 
 def selected(ids: np.ndarray, n: int) -> np.ndarray:
@@ -52,9 +64,7 @@ def captured(mass: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 def recall(mass: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Share of the total mass `[..., N]` that `ids [..., K]` captures; NaN where there is no mass."""
-    total = np.sum(mass, axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total > 0, captured(mass, ids) / total, np.nan)
+    return share(captured(mass, ids), np.sum(mass, axis=-1))
 
 
 def oracle(mass: np.ndarray, k: int) -> np.ndarray:
@@ -75,19 +85,20 @@ def overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(size > 0, np.sum(hit, axis=-1) / size, np.nan)
 
 
-def counted(cfg: ModelConfig, layer: int, mass: np.ndarray, min_visible: int | None = None) -> np.ndarray:
+def counted(cfg: ModelConfig, layer: int, rec: Summary, min_visible: int | None = None) -> np.ndarray:
     """The queries `[B, S]` of `layer` that count: more visible entries than `min_visible` (default
     `index_topk`), and some Global mass."""
-    visible = visible_entries(np.arange(mass.shape[-2]), layer_plan(cfg)[layer].ratio)
+    total = rec.total[layer]
+    visible = visible_entries(np.arange(total.shape[-1]), layer_plan(cfg)[layer].ratio)
     bound = cfg.index_topk if min_visible is None else min_visible
-    return (visible > bound)[None, :] & (np.sum(mass, axis=-1) > 0)
+    return (visible > bound)[None, :] & (total > 0)
 
 
 def _mean(x: np.ndarray, where: np.ndarray) -> float:
     return float(np.mean(x[where])) if np.any(where) else float("nan")
 
 
-def layer_table(cfg: ModelConfig, rec: Probe, min_visible: int | None = None) -> list[dict]:
+def layer_table(cfg: ModelConfig, rec: Summary, min_visible: int | None = None) -> list[dict]:
     """Per layer reading Global KV: role, its top-k source, queries counted and the mean over them of
     `recall` (what it read), `oracle` (best K-subset), `overlap` (share of the oracle's entries it read),
     `scan` (its own indexer over every visible entry; index sources), `pool` and `inside_pool` (layers
@@ -96,22 +107,19 @@ def layer_table(cfg: ModelConfig, rec: Probe, min_visible: int | None = None) ->
     for layer, spec in enumerate(layer_plan(cfg)):
         if spec.role == "swa":
             continue
-        mass, topk = rec.mass[layer], rec.topk[layer]
-        where = counted(cfg, layer, mass, min_visible)
-        best = oracle(mass, cfg.index_topk)
-        r = recall(mass, topk)
+        total = rec.total[layer]
+        where = counted(cfg, layer, rec, min_visible)
         row = {"layer": layer, "role": spec.role, "ratio": spec.ratio, "topk_from": spec.index_source,
-               "queries": int(np.sum(where)), "recall": _mean(r, where), "oracle": _mean(recall(mass, best), where),
-               "overlap": _mean(overlap(topk, best), where), "scan": float("nan"), "pool": float("nan"),
-               "inside_pool": float("nan")}
+               "queries": int(np.sum(where)), "recall": _mean(share(rec.read[layer], total), where),
+               "oracle": _mean(share(rec.oracle[layer], total), where), "overlap": _mean(rec.overlap[layer], where),
+               "scan": float("nan"), "pool": float("nan"), "inside_pool": float("nan")}
         if spec.role in ("full", "reindex"):
-            row["scan"] = _mean(recall(mass, rec.scan[layer]), where)
+            row["scan"] = _mean(share(rec.scan[layer], total), where)
         source = row["topk_from"]
         if source is not None and layer_plan(cfg)[source].uses_candidates:
-            pool = recall(mass, rec.pool[layer])
-            row["pool"] = _mean(pool, where)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                row["inside_pool"] = _mean(np.where(pool > 0, r / pool, np.nan), where & (pool > 0))
+            pool = rec.pool[layer]
+            row["pool"] = _mean(share(pool, total), where)
+            row["inside_pool"] = _mean(share(rec.read[layer], pool), where & (pool > 0))
         rows.append(row)
     return rows
 
@@ -130,7 +138,7 @@ def by_role(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def recall_by_position(cfg: ModelConfig, rec: Probe, edges) -> dict[int, dict[str, np.ndarray]]:
+def recall_by_position(cfg: ModelConfig, rec: Summary, edges) -> dict[int, dict[str, np.ndarray]]:
     """Per layer reading Global KV: mean `recall` of what it read and of the `oracle`, over the counted queries
     whose position lies in each bin `[edges[i], edges[i+1])` (NaN for an empty bin): how selection holds up
     as the context grows."""
@@ -139,42 +147,29 @@ def recall_by_position(cfg: ModelConfig, rec: Probe, edges) -> dict[int, dict[st
     for layer, spec in enumerate(layer_plan(cfg)):
         if spec.role == "swa":
             continue
-        mass = rec.mass[layer]
-        where = counted(cfg, layer, mass)
-        pos = np.broadcast_to(np.arange(mass.shape[-2]), where.shape)
-        got, best = recall(mass, rec.topk[layer]), recall(mass, oracle(mass, cfg.index_topk))
+        total = rec.total[layer]
+        where = counted(cfg, layer, rec)
+        pos = np.broadcast_to(np.arange(total.shape[-1]), where.shape)
+        got, best = share(rec.read[layer], total), share(rec.oracle[layer], total)
         bins = [where & (pos >= lo) & (pos < hi) for lo, hi in zip(edges[:-1], edges[1:])]
         out[layer] = {"recall": np.array([_mean(got, b) for b in bins]),
                       "oracle": np.array([_mean(best, b) for b in bins])}
     return out
 
 
-def distance(cfg: ModelConfig, layer: int, width: int, s: int) -> np.ndarray:
-    """Token distance `[S, N]` from each query position to the last token of each entry of `layer`'s group
-    (entry i of a ratio-r source covers tokens [i·r, (i+1)·r))."""
-    ratio = layer_plan(cfg)[layer].ratio
-    return np.arange(s)[:, None] - ((np.arange(width) + 1) * ratio - 1)[None, :]
-
-
-def misses_by_distance(cfg: ModelConfig, rec: Probe, edges) -> dict[int, dict[str, np.ndarray]]:
+def misses_by_distance(cfg: ModelConfig, rec: Summary) -> dict[int, dict[str, np.ndarray]]:
     """Per layer reading Global KV: the Global attention mass and the part of it the layer's top-k missed, by
-    token distance (bins `[edges[i], edges[i+1])`), each a share of the layer's total mass over the counted
+    token distance (the bins `probe` was given), each a share of the layer's total mass over the counted
     queries: where attention goes and where selection loses it."""
-    edges = np.asarray(edges)
+    if rec.by_distance is None:
+        raise ValueError("misses_by_distance: these statistics have no distance bins; give probe(..., edges=)")
     out = {}
     for layer, spec in enumerate(layer_plan(cfg)):
         if spec.role == "swa":
             continue
-        mass, topk = rec.mass[layer], rec.topk[layer]
-        where = counted(cfg, layer, mass)
-        read = selected(topk, mass.shape[-1])
-        dist = np.broadcast_to(distance(cfg, layer, mass.shape[-1], mass.shape[-2]), mass.shape)
-        total = np.sum(mass[where])
-        bins = np.digitize(dist, edges) - 1  # bin i ⇔ edges[i] ≤ d < edges[i+1]
-        inside = (bins >= 0) & (bins < len(edges) - 1) & where[..., None]
-        at = np.bincount(bins[inside], weights=mass[inside], minlength=len(edges) - 1)
-        missed = np.bincount(bins[inside & ~read], weights=mass[inside & ~read], minlength=len(edges) - 1)
-        out[layer] = {"mass": at / max(total, 1e-30), "missed": missed / max(total, 1e-30)}
+        total = max(float(np.sum(rec.total[layer][counted(cfg, layer, rec)])), 1e-30)
+        at, missed = np.sum(rec.by_distance[layer], axis=0)  # [bins] each, summed over the rows
+        out[layer] = {"mass": at / total, "missed": missed / total}
     return out
 
 

@@ -84,9 +84,26 @@ class View:
         softmax (SPEC §3 without top-k)."""
         return sink_softmax(self.logits(), self.rest)
 
-    def mass(self) -> Array:
-        """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`research.probe`'s mass)."""
-        return jnp.mean(self.probs(), axis=2)
+    def mass(self, block: int = 256) -> Array:
+        """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`research.probe`'s mass),
+        `block` queries at a time: the per-head probabilities of one block `[B, block, H, N]` are the largest
+        array, so a 16K-token layer needs O(S·N), not O(S·H·N), memory."""
+        b, s = self.visible.shape
+        size = min(block, s)
+        blocks = -(-s // size)
+        pad = blocks * size - s  # padded queries see no entry
+
+        def split(x):
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+            return jnp.moveaxis(x.reshape(b, blocks, size, *x.shape[2:]), 1, 0)
+
+        def one_block(xs):
+            q, rest, visible, positions = xs
+            part = View(q=q, keys=self.keys, rest=rest, visible=visible, positions=positions)
+            return jnp.mean(part.probs(), axis=2)  # [B, size, N]
+
+        out = jax.lax.map(one_block, tuple(map(split, (self.q, self.rest, self.visible, self.positions))))
+        return jnp.moveaxis(out, 0, 1).reshape(b, blocks * size, self.entries)[:, :s]
 
 
 def sink_softmax(logits: Array, rest: Array) -> Array:
@@ -145,9 +162,13 @@ def recent_count(budget: Array | int, share: float) -> Array | int:
 # ---------------------------------------------------------------------------------------------
 # The policies: pure functions View → read mask [B, S, N]
 
-def oracle(v: View, budget: Array | int) -> Array:
-    """The `budget` entries of largest true attention (head-mean dense probability) at every query."""
-    return top(v.mass(), v.dense(), budget)
+def oracle(v: View, budget: int) -> Array:
+    """The `budget` entries of largest true attention (head-mean dense probability) at every query; ties go to the
+    lower id, as in `top` (one `top_k` rather than `top`'s two sorts of every entry: a 16K-token layer sorts
+    16K × 16K scores otherwise)."""
+    mass, dense = v.mass(), v.dense()
+    _, ids = jax.lax.top_k(jnp.where(dense, mass, -1.0), min(budget, v.entries))  # visible mass is ≥ 0
+    return jnp.put_along_axis(jnp.zeros(mass.shape, bool), ids, True, axis=-1, inplace=False) & dense
 
 
 def streaming_llm(v: View, budget: Array | int, sinks: int) -> Array:
@@ -168,12 +189,14 @@ def h2o(v: View, budget: int, recent: float, start: Array | int) -> Array:
     b, n = v.visible.shape[0], v.entries
     newest_count = recent_count(budget, recent)
     heavy_count = budget - newest_count
-    logits = v.logits()  # [B, S, H, N]
     vis_next = jnp.concatenate([v.visible[:, 1:], v.visible[:, -1:]], axis=1)  # the next query's count
 
     def step(carry, xs):
         acc, heavy = carry  # [B, N] float, bool
-        logit, rest, vis, nxt, before = xs  # [B, H, N], [B, H], [B], [B], [B]
+        q, rest, vis, pos, nxt, before = xs  # [B, H, D], [B, H], [B], [B], [B], [B]
+        # this query's logits [B, H, N] (View.logits of its position alone: O(H·N) memory per step)
+        logit = View(q=q[:, None], keys=v.keys, rest=rest[:, None], visible=vis[:, None],
+                     positions=pos[:, None]).logits()[:, 0]
         dense = jnp.arange(n) < vis[:, None]
         read = jnp.where(before[:, None], dense, fill_newest(heavy & dense, dense, budget))
         probs = sink_softmax(jnp.where(read[:, None, :], logit, -jnp.inf), rest)  # [B, H, N]
@@ -182,7 +205,7 @@ def h2o(v: View, budget: int, recent: float, start: Array | int) -> Array:
         return (acc, top(acc, candidates, heavy_count)), read
 
     prefill = (v.positions < _per_row(start, b)[:, None]).T  # [S, B]
-    xs = (jnp.moveaxis(logits, 1, 0), jnp.moveaxis(v.rest, 1, 0), v.visible.T, vis_next.T, prefill)
+    xs = (jnp.moveaxis(v.q, 1, 0), jnp.moveaxis(v.rest, 1, 0), v.visible.T, v.positions.T, vis_next.T, prefill)
     init = (jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), bool))
     _, reads = jax.lax.scan(step, init, xs)
     return jnp.moveaxis(reads, 0, 1)

@@ -157,6 +157,15 @@ def test_view_probs_and_mass():
     np.testing.assert_allclose(np.asarray(sparse)[0, 0], [[0, 3 / 4, 0], [0, 1 / 2, 0]], rtol=1e-6)
 
 
+def test_view_mass_in_blocks_equals_the_whole_mass():
+    """`mass` a few queries at a time (a last block padded) is the head mean of the dense probabilities."""
+    rng = np.random.default_rng(4)
+    v = make_view(rng.normal(size=(7, 3, 9)), [1, 2, 4, 5, 7, 8, 9], rest=rng.normal(size=(7, 3)))
+    whole = np.asarray(jnp.mean(v.probs(), axis=2))
+    for block in (1, 3, 7, 256):
+        np.testing.assert_allclose(np.asarray(v.mass(block)), whole, rtol=1e-6, atol=1e-7, err_msg=f"block {block}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Oracle
 
@@ -176,6 +185,15 @@ def test_oracle_reads_largest_head_mean_probability():
     np.testing.assert_array_equal(np.asarray(oracle(v, 2))[0], mask_of(8, {1, 3}, {1, 6}))
     np.testing.assert_array_equal(np.asarray(Oracle().mask(MINI.replace(index_topk=1), v, 0, jnp.array([0])))[0],
                                   mask_of(8, {1}, {6}))
+
+
+def test_oracle_is_top_of_the_mass_ties_included():
+    """The oracle's `top_k` picks what `top` (ranking every entry) picks, on logits with many equal values."""
+    rng = np.random.default_rng(6)
+    v = make_view(rng.integers(0, 3, (6, 2, 10)).astype(float), [1, 3, 5, 8, 10, 10])
+    for budget in (1, 4, 10, 12):
+        want = np.asarray(top(v.mass(), v.dense(), budget))
+        np.testing.assert_array_equal(np.asarray(oracle(v, budget)), want, err_msg=f"budget {budget}")
 
 
 def test_oracle_full_budget_reads_every_visible_entry():

@@ -9,15 +9,18 @@ from csa2.presets import preset
 from experiments import kv_selection as kv
 from research import selection
 from research.probe import Probe
+from research.probe_stats import Summary
+from tests.research.host_summary import summary
 
 MINI = preset("mini")  # layer 0 SWA; 1–3 ratio 2; 4–7 ratio 1; index_topk 16
 
 
-def _probe(mass: np.ndarray, topk: np.ndarray) -> Probe:
-    """A record [L, B, S, ·] for MINI with the given mass and reads on every layer."""
+def _probe(mass: np.ndarray, topk: np.ndarray) -> Summary:
+    """The statistics [L, B, S, ·] of MINI with the given mass and reads on every layer."""
     L = MINI.num_hidden_layers
-    return Probe(mass=np.broadcast_to(mass, (L, *mass.shape)), topk=np.broadcast_to(topk, (L, *topk.shape)),
-                 scan=np.full((L, *topk.shape), -1), pool=np.full((L, *topk.shape[:2], 0), -1))
+    record = Probe(mass=np.broadcast_to(mass, (L, *mass.shape)), topk=np.broadcast_to(topk, (L, *topk.shape)),
+                   scan=np.full((L, *topk.shape), -1), pool=np.full((L, *topk.shape[:2], 0), -1))
+    return summary(MINI, record)
 
 
 def test_policies_cover_every_name():

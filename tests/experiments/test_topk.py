@@ -7,6 +7,7 @@ from csa2.layout import layer_plan
 from csa2.presets import preset
 from experiments import topk
 from research.probe import Probe
+from tests.research.host_summary import summary
 
 MINI = preset("mini")
 MASS = np.array([0.1, 0.2, 0.3, 0.4])
@@ -37,14 +38,17 @@ def test_overlap_is_the_share_of_the_second_set_found_in_the_first():
     assert np.isnan(topk.overlap(np.array([0]), np.array([-1])))
 
 
-def _record(layer: int, mass: np.ndarray, ids: np.ndarray) -> Probe:
-    """A probe of MINI where only `layer` has mass `[S, N]` and reads `ids [S, K]`."""
+def _record(layer: int, mass: np.ndarray, ids: np.ndarray, pool: np.ndarray | None = None) -> Probe:
+    """A full record of MINI where only `layer` has mass `[S, N]`, reads `ids [S, K]` (and holds `pool [S, P]`)."""
     L, (s, n), k = MINI.num_hidden_layers, mass.shape, ids.shape[-1]
     full = np.zeros((L, 1, s, n))
     full[layer, 0] = mass
     sel = np.full((L, 1, s, k), -1)
     sel[layer, 0] = ids
-    return Probe(mass=full, topk=sel, scan=sel, pool=np.full((L, 1, s, 0), -1))
+    pools = np.full((L, 1, s, 0 if pool is None else pool.shape[-1]), -1)
+    if pool is not None:
+        pools[layer, 0] = pool
+    return Probe(mass=full, topk=sel, scan=sel, pool=pools)
 
 
 def test_misses_by_distance_puts_each_missed_entry_in_its_bin():
@@ -57,9 +61,16 @@ def test_misses_by_distance_puts_each_missed_entry_in_its_bin():
     mass[40, [39, 8]] = 0.5
     ids[40, 0] = 39
     mass[3, 0] = 1.0  # 4 visible entries ≤ index_topk: not counted
-    out = topk.misses_by_distance(MINI, _record(layer, mass, ids), [0, 16, 64])[layer]
+    out = topk.misses_by_distance(MINI, summary(MINI, _record(layer, mass, ids), [0, 16, 64]))[layer]
     np.testing.assert_allclose(out["mass"], [0.5, 0.5])
     np.testing.assert_allclose(out["missed"], [0.0, 0.5])
+
+
+def test_misses_by_distance_needs_the_bins_at_probe_time():
+    layer, s = 4, 41
+    rec = summary(MINI, _record(layer, np.zeros((s, s)), np.full((s, MINI.index_topk), -1)))
+    with pytest.raises(ValueError, match=r"give probe\(\.\.\., edges=\)"):
+        topk.misses_by_distance(MINI, rec)
 
 
 def test_recall_by_position_bins_the_counted_queries():
@@ -67,15 +78,20 @@ def test_recall_by_position_bins_the_counted_queries():
     mass, ids = np.zeros((s, s)), np.full((s, MINI.index_topk), -1)
     mass[[38, 40], 0] = 1.0
     ids[38, 0] = 0  # position 38 read its entry, position 40 did not
-    out = topk.recall_by_position(MINI, _record(layer, mass, ids), [0, 39, 41])[layer]
+    out = topk.recall_by_position(MINI, summary(MINI, _record(layer, mass, ids)), [0, 39, 41])[layer]
     np.testing.assert_allclose(out["recall"], [1.0, 0.0])
     np.testing.assert_allclose(out["oracle"], [1.0, 1.0])
 
 
 def test_distance_runs_to_the_last_token_of_a_compressed_entry():
-    layer = 1
-    assert layer_plan(MINI)[layer].ratio == 2  # entry i covers tokens 2i, 2i+1
-    np.testing.assert_array_equal(topk.distance(MINI, layer, 3, 6)[5], [4, 2, 0])
+    """Layer 1 (ratio 2: entry i covers tokens 2i, 2i+1): the query at position 39 is at distance 0 from entry 19
+    and 2 from entry 18."""
+    layer, s = 1, 40
+    assert layer_plan(MINI)[layer].ratio == 2
+    mass, ids = np.zeros((s, s // 2)), np.full((s, MINI.index_topk), -1)
+    mass[39, [18, 19]] = 0.5
+    out = topk.misses_by_distance(MINI, summary(MINI, _record(layer, mass, ids), [0, 1, 2, 3]))[layer]
+    np.testing.assert_allclose(out["mass"], [0.5, 0.0, 0.5])
 
 
 def test_layer_table_on_a_hand_case():
@@ -84,11 +100,9 @@ def test_layer_table_on_a_hand_case():
     mass, ids = np.zeros((s, s)), np.full((s, MINI.index_topk), -1)
     mass[39, [1, 2, 3, 4]] = [0.4, 0.3, 0.2, 0.1]
     ids[39, :2] = [1, 4]
-    rec = _record(layer, mass, ids)
-    pool = np.full(rec.pool.shape[:-1] + (MINI.candidate_pool_size,), -1)
-    pool[layer, 0, 39, :3] = [1, 2, 4]
-    rec = rec.replace(pool=pool)
-    (row,) = [r for r in topk.layer_table(MINI, rec) if r["layer"] == layer]
+    pool = np.full((s, MINI.candidate_pool_size), -1)
+    pool[39, :3] = [1, 2, 4]
+    (row,) = [r for r in topk.layer_table(MINI, summary(MINI, _record(layer, mass, ids, pool))) if r["layer"] == layer]
     assert row["role"] == "reindex" and row["queries"] == 1
     assert row["recall"] == pytest.approx(0.5) and row["oracle"] == pytest.approx(1.0)
     assert row["overlap"] == pytest.approx(0.5)  # the oracle's 4 entries, 2 of them read
