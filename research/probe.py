@@ -14,8 +14,9 @@ query (`aux["tap"]`, stacked `[L, B, S, ·]`):
 - `pool`: the candidate pool on the bus (layers after the candidate source; −1 elsewhere).
 
 The recorded selections are the ones the model used (the same call, the same numerics); `mass` is
-computed next to them from the same queries and stored entries. Host-side measures (recall, pool loss,
-misses by distance) live in `experiments.topk`.
+computed next to them from the same queries and stored entries. The record is O(L·S·N) (43 GB at 16K tokens
+on `tiny`); `research.probe_stats.ProbeStats` reduces the same mass inside the model to the measures of
+`experiments.topk`, O(S·K), for long prompts.
 """
 
 from __future__ import annotations
