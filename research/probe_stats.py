@@ -34,7 +34,7 @@ from csa2.config import ModelConfig
 from csa2.hooks import Instrument, Sight
 from csa2.indexer import full_topk
 from csa2.replay import ReplayPolicy
-from research.selection import View, view
+from research.selection import View, id_mask, map_query_blocks, view
 
 Array = jax.Array
 
@@ -79,19 +79,11 @@ class ProbeStats(Instrument):
                          pool=sight.bus.candidates)
         if scan is not None:
             per_query["scan"] = scan
-        size = min(self.block, s)
-        blocks = -(-s // size)
-        pad = blocks * size - s  # padded queries see no entry: all their mass is 0
 
-        def split(x):
-            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-            return jnp.moveaxis(x.reshape(b, blocks, size, *x.shape[2:]), 1, 0)
+        def one_block(part):
+            return _block_stats(cfg, sight.spec.ratio, self.edges, v.keys, part)
 
-        def one_block(xs):
-            return _block_stats(cfg, sight.spec.ratio, self.edges, v.keys, xs)
-
-        out, dist = jax.lax.map(one_block, jax.tree.map(split, per_query))
-        out = {k: jnp.moveaxis(x, 0, 1).reshape(b, blocks * size)[:, :s] for k, x in out.items()}
+        out, dist = map_query_blocks(one_block, per_query, self.block)
         out.setdefault("scan", zero)
         return Summary(**out, topk=read, by_distance=jnp.sum(dist, axis=0) if self.edges else None)
 
@@ -109,18 +101,19 @@ class ProbeStats(Instrument):
 def _block_stats(cfg: ModelConfig, ratio: int, edges: tuple[int, ...], keys: Array,
                  xs: dict) -> tuple[dict, Array]:
     """`Summary` fields of one block of queries `[B, Q]` and its distance sums `[B, 2, bins]`."""
-    mass = View(q=xs["q"], keys=keys, rest=xs["rest"], visible=xs["visible"], positions=xs["positions"]).mass()
+    mass = View(q=xs["q"], keys=keys, rest=xs["rest"], visible=xs["visible"], positions=xs["positions"]).mass(
+        block=xs["q"].shape[1])
     n = mass.shape[-1]
-    read = _mask(xs["read"], n)
+    read = id_mask(xs["read"], n)
     k = min(cfg.index_topk, n)
     best, best_ids = jax.lax.top_k(mass, k)  # the oracle: ties go to the older entry, as a stable sort's
     in_oracle = best > 0
     hits = jnp.sum(jnp.take_along_axis(read, best_ids, axis=-1) & in_oracle, axis=-1)
     total = jnp.sum(mass, axis=-1)
     out = dict(total=total, read=_captured(mass, read), oracle=jnp.sum(best, axis=-1),
-               overlap=hits / jnp.sum(in_oracle, axis=-1), pool=_captured(mass, _mask(xs["pool"], n)))
+               overlap=hits / jnp.sum(in_oracle, axis=-1), pool=_captured(mass, id_mask(xs["pool"], n)))
     if "scan" in xs:  # Full and Reindex layers
-        out["scan"] = _captured(mass, _mask(xs["scan"], n))
+        out["scan"] = _captured(mass, id_mask(xs["scan"], n))
     counts = (xs["visible"] > cfg.index_topk) & (total > 0)  # [B, Q]
     distance = xs["positions"][..., None] - ((jnp.arange(n) + 1) * ratio - 1)  # to the entry's last token
     weights = jnp.where(counts[..., None], mass, 0.0)
@@ -128,14 +121,6 @@ def _block_stats(cfg: ModelConfig, ratio: int, edges: tuple[int, ...], keys: Arr
                        jnp.sum(jnp.where(inside & ~read, weights, 0.0), axis=(1, 2))], axis=1)
             for inside in ((distance >= lo) & (distance < hi) for lo, hi in zip(edges[:-1], edges[1:]))]
     return out, jnp.stack(sums, axis=-1) if sums else None
-
-
-def _mask(ids: Array, n: int) -> Array:
-    """The valid ids `[B, Q, K]` (−1 = none) as a mask `[B, Q, n]`."""
-    b, q, _ = ids.shape
-    slot = jnp.where(ids < 0, n, ids)  # one spare column takes the missing ones
-    rows, cols = jnp.arange(b)[:, None, None], jnp.arange(q)[None, :, None]
-    return jnp.zeros((b, q, n + 1), bool).at[rows, cols, slot].set(True)[..., :n]
 
 
 def _captured(mass: Array, mask: Array) -> Array:

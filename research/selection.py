@@ -28,7 +28,7 @@ layer's heads, as CSA2's top-k is).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import chex
 import jax
@@ -88,22 +88,37 @@ class View:
         """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`research.probe`'s mass),
         `block` queries at a time: the per-head probabilities of one block `[B, block, H, N]` are the largest
         array, so a 16K-token layer needs O(S·N), not O(S·H·N), memory."""
-        b, s = self.visible.shape
-        size = min(block, s)
-        blocks = -(-s // size)
-        pad = blocks * size - s  # padded queries see no entry
+        def one_block(part):
+            return jnp.mean(View(keys=self.keys, **part).probs(), axis=2), None  # [B, size, N]
 
-        def split(x):
-            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-            return jnp.moveaxis(x.reshape(b, blocks, size, *x.shape[2:]), 1, 0)
+        per_query = dict(q=self.q, rest=self.rest, visible=self.visible, positions=self.positions)
+        return map_query_blocks(one_block, per_query, block)[0]
 
-        def one_block(xs):
-            q, rest, visible, positions = xs
-            part = View(q=q, keys=self.keys, rest=rest, visible=visible, positions=positions)
-            return jnp.mean(part.probs(), axis=2)  # [B, size, N]
 
-        out = jax.lax.map(one_block, tuple(map(split, (self.q, self.rest, self.visible, self.positions))))
-        return jnp.moveaxis(out, 0, 1).reshape(b, blocks * size, self.entries)[:, :s]
+def map_query_blocks(fn, per_query: dict, block: int) -> tuple[Any, Any]:
+    """`fn` over blocks of at most `block` queries of `per_query` (`[B, S, ...]` arrays; the last block is padded
+    with zeros, so its padded queries see no entry): `fn(part) -> (rows, extra)`, `rows` per-query results
+    `[B, size, ...]` joined back to `[B, S, ...]`, `extra` stacked `[blocks, ...]`."""
+    b, s = next(iter(per_query.values())).shape[:2]
+    size = min(block, s)
+    blocks = -(-s // size)
+    pad = blocks * size - s
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, blocks, size, *x.shape[2:]), 1, 0)
+
+    def join(x):
+        return jnp.moveaxis(x, 0, 1).reshape(b, blocks * size, *x.shape[3:])[:, :s]
+
+    rows, extra = jax.lax.map(fn, jax.tree.map(split, per_query))
+    return jax.tree.map(join, rows), extra
+
+
+def id_mask(ids: Array, n: int) -> Array:
+    """The valid ids `[..., K]` (−1 = none) as a mask `[..., n]`."""
+    slot = jnp.where(ids < 0, n, ids)  # one spare column takes the missing ones
+    return jnp.put_along_axis(jnp.zeros((*ids.shape[:-1], n + 1), bool), slot, True, axis=-1, inplace=False)[..., :n]
 
 
 def sink_softmax(logits: Array, rest: Array) -> Array:
@@ -168,7 +183,7 @@ def oracle(v: View, budget: int) -> Array:
     16K × 16K scores otherwise)."""
     mass, dense = v.mass(), v.dense()
     _, ids = jax.lax.top_k(jnp.where(dense, mass, -1.0), min(budget, v.entries))  # visible mass is ≥ 0
-    return jnp.put_along_axis(jnp.zeros(mass.shape, bool), ids, True, axis=-1, inplace=False) & dense
+    return id_mask(ids, v.entries) & dense
 
 
 def streaming_llm(v: View, budget: Array | int, sinks: int) -> Array:

@@ -61,8 +61,8 @@ def test_statistics_equal_the_definitions_on_the_full_record(mini_params, tokens
 
 def test_a_mask_that_drops_entry_0_is_caught(mini_params, tokens, expected, mutant):
     """A planted mutant: entry 0 (the oldest, often the heaviest) read as missing."""
-    mask = probe_stats._mask
-    mutant.setattr(probe_stats, "_mask", lambda ids, n: mask(jnp.where(ids == 0, -1, ids), n))
+    mask = probe_stats.id_mask
+    mutant.setattr(probe_stats, "id_mask", lambda ids, n: mask(jnp.where(ids == 0, -1, ids), n))
     _, aux = model.forward(MINI, mini_params, tokens, qat=True, instrument=STATS)
     assert "read" in _differences(jax.tree.map(np.asarray, aux["tap"]), expected)
 
