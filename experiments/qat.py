@@ -17,7 +17,7 @@ import numpy as np
 from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
 from infer.schedule import config_fingerprint
-from train.longctx import RECIPE, LongCtxRecipe, check_recipe, passkey_accuracy, write_recipe
+from train.longctx import LongCtxRecipe, claim, passkey_accuracy
 from train.loop import evaluate, train
 from train.step import TrainConfig
 
@@ -57,11 +57,7 @@ def ablation(cfg: ModelConfig, train_tokens: np.ndarray, valid_tokens: np.ndarra
     for i, run in enumerate(RUNS):
         path = pathlib.Path(out) / str(i)
         recipe = {"run": run, "config": config_fingerprint(cfg), **dataclasses.asdict(spec.config(run))}
-        if checkpoint.latest_step(path) is not None and not (path / RECIPE).exists():
-            raise ValueError(f"{path}: holds a checkpoint but no {RECIPE}, so its recipe is unknown; delete {path} "
-                             "or pass another out")
-        check_recipe(path, recipe)
-        write_recipe(path, recipe)
+        claim(path, recipe)
         state = train(cfg, spec.config(run), train_tokens, path, resume=checkpoint.latest_step(path) is not None,
                       log=lambda _: None, bar=False)
         table[run] = {numerics: evaluate(cfg, state.params, valid_tokens, qat=numerics == "fp4",

@@ -4,7 +4,8 @@ independent), so tokens of one prompt, which are correlated, never count as sepa
 `ratio_interval` is for rates pooled over prompts (accepted / reached drafts): each resample sums numerators and
 denominators over the drawn prompts before dividing, as the point estimate does. `proportion_interval` is for a share
 of independent trials (pass keys retrieved): the Wilson score interval, which unlike a bootstrap keeps its width at a
-share of 0 or 1.
+share of 0 or 1. `seed_interval` is for a mean over a few independent runs (training seeds), where a bootstrap
+of 3 values says nothing: Student's t interval, honest about how little 3 runs show.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from statistics import NormalDist
 from typing import NamedTuple
 
 import numpy as np
+from scipy.stats import t as student_t
 
 LEVEL = 0.95
 RESAMPLES = 2000
@@ -88,3 +90,16 @@ def proportion_interval(successes: int, n: int, *, level: float = LEVEL) -> Inte
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n, level)
+
+
+def seed_interval(values, *, level: float = LEVEL) -> Interval:
+    """The mean of one value per independent run `values [n]` (e.g. one per training seed) and its Student's t
+    interval `mean ± t(n − 1) · s / √n` at `level` (normal runs assumed; with n = 3, t = 4.30: wide by design)."""
+    v = np.asarray(values, np.float64)
+    if v.ndim != 1 or len(v) < 2:
+        raise ValueError(f"values.shape={v.shape}: an interval over runs needs one value per run, at least 2 runs; "
+                         "train more seeds")
+    if not 0 < level < 1:
+        raise ValueError(f"level={level!r}: must be in (0, 1), e.g. 0.95")
+    half = student_t.ppf((1 + level) / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
+    return Interval(float(v.mean()), float(v.mean() - half), float(v.mean() + half), len(v), level)

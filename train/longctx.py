@@ -352,8 +352,20 @@ def check_recipe(out: pathlib.Path, recipe) -> None:
                          f"delete {out} or pass another path")
 
 
+def claim(out: pathlib.Path, recipe) -> None:
+    """Make `out` a run directory of `recipe` (a dataclass or a dict of JSON values) alone, before training there:
+    refuse one that holds another recipe (`check_recipe`) or a checkpoint without any, then store `recipe`."""
+    if ckpt.latest_step(out) is not None and not (out / RECIPE).exists():
+        raise ValueError(f"{out}: holds a checkpoint but no {RECIPE}, so its recipe is unknown; delete {out} "
+                         "or pass another path")
+    check_recipe(out, recipe)
+    write_recipe(out, recipe)
+
+
 def lock(out: pathlib.Path) -> filelock.FileLock:
-    """The lock file beside the run directory `out` that `checkpoint` holds while it checks, trains or restores."""
+    """The lock file beside the run directory `out` that `checkpoint` holds while it checks, trains or restores
+    (its parent directory is created)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     return filelock.FileLock(out.parent / f".{out.name}.lock")
 
 

@@ -46,7 +46,21 @@ def test_proportion_interval_is_wilsons():
     assert stats.proportion_interval(36, 36).lo == pytest.approx(36 / (36 + 1.959964**2), abs=1e-6)
 
 
+def test_seed_interval_is_students_t():
+    """Three runs 1, 2, 6: mean 3, s = √7, t(2) = 4.303 at 95 %: 3 ± 4.303·√7/√3 = [−3.572, 9.572]."""
+    got = stats.seed_interval([1.0, 2.0, 6.0])
+    assert (got.value, got.n) == (3.0, 3)
+    assert (got.lo, got.hi) == (pytest.approx(-3.5724, abs=1e-3), pytest.approx(9.5724, abs=1e-3))
+    # Many normal runs: close to ±1.96 σ/√n; two equal runs: no width.
+    rng = np.random.default_rng(2)
+    wide = stats.seed_interval(rng.normal(0.0, 1.0, 4000))
+    assert wide.hi - wide.lo == pytest.approx(2 * 1.96 / np.sqrt(4000), rel=0.05)
+    assert stats.seed_interval([0.5, 0.5])[:3] == (0.5, 0.5, 0.5)
+
+
 @pytest.mark.parametrize("call, match", [
+    (lambda: stats.seed_interval([1.0]), r"values.shape=\(1,\)"),
+    (lambda: stats.seed_interval([1.0, 2.0], level=1.0), "level=1.0"),
     (lambda: stats.mean_interval([1.0]), "n=1"),
     (lambda: stats.mean_interval(np.ones((2, 2))), r"values.shape=\(2, 2\)"),
     (lambda: stats.mean_interval([1.0, 2.0], level=95), "level=95"),

@@ -1,0 +1,131 @@
+"""The recipe ablations behind notebooks/recipe_ablations.ipynb: the hidden-digit task, runs keyed on their recipe,
+statistics paired by seed, the read-budget sweep on the trained checkpoints."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from csa2.presets import BOS_ID
+from csa2.tokenizer import decode
+from experiments import recipe_ablations as ra, results
+from infer import stats
+
+S = ra.FAST  # the notebook's fast mode runs exactly this: it restores what the fixture trained
+
+
+@pytest.fixture(scope="module")
+def done():
+    return ra.run(S)
+
+
+def test_hidden_digit_rows_hide_one_digit_and_ask_for_it_at_the_end():
+    inputs, targets, weights, distance = ra.hidden_digit_rows(np.random.default_rng(0), 200, 40)
+    assert inputs.shape == targets.shape == weights.shape == (200, 40)
+    np.testing.assert_array_equal(targets[:, :-1], inputs[:, 1:])  # next-token targets
+    assert (inputs[:, 0] == BOS_ID).all() and {decode(r[-1:]) for r in inputs} == {"?"}
+    assert (weights[:, -1] == 1).all() and not weights[:, :-1].any()  # only the digit counts
+    for row, target, d in zip(inputs, targets, distance):
+        body = decode(row[1:-1])
+        assert len(body) == 38 and sum(c.isdigit() for c in body) == 1 and body.replace(
+            decode(target[-1:]), "").isalpha()
+        assert body[len(body) - d] == decode(target[-1:])  # d tokens before the "?" at position 39
+    assert distance.min() >= 1 and distance.max() <= 38 and len(set(distance)) > 30
+
+
+def test_statistics_pair_arms_by_seed():
+    values = {"a": {"0": 0.1, "1": 0.3, "2": 0.2}, "b": {"0": 0.4, "1": 0.5, "2": 0.6}}
+    got = ra._across_seeds(values)
+    assert got["across_seeds"]["b"] == stats.seed_interval([0.4, 0.5, 0.6]).as_dict()
+    assert got["vs_first"]["b"] == stats.seed_interval([0.3, 0.2, 0.4]).as_dict()  # per seed, not mean − mean
+    assert got["vs_first"]["a"]["value"] == 0.0
+    assert ra._across_seeds({"a": {"0": 0.1}})["across_seeds"]["a"] is None  # one seed: no interval
+
+
+def test_every_experiment_reports_n_and_intervals(done):
+    assert set(done) == {"init_scale", "ablate", "read_budget"}
+    results.check(done)
+    stds, seeds = [f"{s:g}" for s in S.stds], [str(s) for s in S.seeds]
+    init = done["init_scale"]
+    assert list(init["runs"]) == stds and all(list(r) == seeds for r in init["runs"].values())
+    assert all(run["all"]["n"] == S.task.eval_rows and run["near"]["n"] + run["far"]["n"] == S.task.eval_rows
+               for r in init["runs"].values() for run in r.values())
+    assert all(init["across_seeds"][s]["n"] == len(S.seeds) for s in stds)
+    keys = len(S.base.eval_depths) * S.base.eval_samples
+    for arm in S.arms:
+        for seed in seeds:
+            for length in map(str, S.base.eval_lengths):
+                cell = done["ablate"]["runs"][arm][seed][length]
+                assert cell["keys"]["n"] == keys and cell["digits"]["n"] == keys * S.base.digits
+        assert done["ablate"]["across_seeds"][arm][str(S.base.eval_lengths[0])]["digits"]["n"] == len(S.seeds)
+    budgets = done["read_budget"]
+    assert list(budgets["across_seeds"]) == list(S.budgets)
+
+
+def test_the_trained_budget_reads_as_the_ablation_scored_it(done):
+    """`read_budget` at the arm's own budget is the same checkpoint, prompts and reads as `ablate`'s score."""
+    trained = next(name for name, b in S.budgets.items()
+                   if b == (S.base.index_topk, S.base.candidate_topk_blocks))
+    for seed in map(str, S.seeds):
+        for length, cell in done["ablate"]["runs"][S.budget_arm][seed].items():
+            swept = done["read_budget"]["runs"][seed][trained][length]
+            assert {k: swept[k] for k in cell} == cell
+
+
+def test_a_budget_changes_what_is_read():
+    """A budget of one entry reads less than the trained one: the answers' bits move, paired per key."""
+    cfg, params = ra._fitted(dataclasses.replace(S.base, seed=0), S.out, "recipe", log=lambda _: None)
+    recipe = dataclasses.replace(S.base, seed=0)
+    swept = ra.read_budget(cfg, params, recipe, {"trained": (128, 32), "one": (1, 1)})
+    length = str(recipe.eval_lengths[0])
+    assert swept["trained"][length]["vs_first"] is None
+    assert swept["one"][length]["vs_first"]["n"] == len(recipe.eval_depths) * recipe.eval_samples
+    assert swept["one"][length]["bits"]["value"] != swept["trained"][length]["bits"]["value"]
+
+
+def test_finished_runs_are_reused_and_another_recipe_is_refused(done):
+    again = ra.ablate(S.base, S.arms, S.seeds, S.out)  # restored: no step trains, the same figures
+    assert again == done["ablate"]
+    with pytest.raises(ValueError, match="fields lr differ"):
+        ra.ablate(dataclasses.replace(S.base, lr=1e-3), S.arms, S.seeds, S.out)
+    with pytest.raises(ValueError, match="fields lr differ"):
+        ra.init_scale(dataclasses.replace(S.task, lr=1.0), S.stds, S.seeds, f"{S.out}/init-scale")
+
+
+def test_claims_say_whether_an_interval_excludes_zero(done):
+    lines = ra.claims(done)
+    comparisons = (len(S.stds) - 1) + (len(S.arms) - 1 + len(S.budgets) - 1) * len(S.base.eval_lengths)
+    assert len(lines) == comparisons and all("(95 %, n = 2 seeds)" in line for line in lines)
+    iv = stats.seed_interval
+    assert ra._claim("a vs b", "x", iv([0.1, 0.11, 0.12]).as_dict()).endswith("the interval excludes 0")
+    assert ra._claim("a vs b", "x", iv([0.1, 0.2]).as_dict()).endswith("no difference shown")  # 2 seeds: t = 12.7
+    assert ra._claim("a vs b", "x", iv([-0.3, -0.31, -0.29]).as_dict()).endswith("the interval excludes 0")
+
+
+def test_the_command_writes_what_it_measured(done, capsys):
+    assert ra.main(["--fast"]) == 0  # every run restored: nothing trains
+    assert "results:" in capsys.readouterr().out
+    assert results.load("recipe_ablations", fast=True) == {"notebook": "recipe_ablations", "fast": True,
+                                                           **json.loads(json.dumps(done))}
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ra.HiddenDigit(length=2), "HiddenDigit.length=2"),
+    (lambda: ra.HiddenDigit(steps=0), "HiddenDigit.steps=0"),
+    (lambda: dataclasses.replace(S, budget_arm="other"), "Settings.budget_arm='other'"),
+    (lambda: dataclasses.replace(S, seeds=(0,)), r"Settings.seeds=\(0,\)"),
+])
+def test_bad_settings_are_refused_by_name(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_results_check_names_a_malformed_interval():
+    good = stats.proportion_interval(3, 10).as_dict()
+    results.check({"a": [good]})
+    for bad, match in (({"x": 1}, "no interval"), ({"a": {**good, "lo": 0.9}}, r"results\[a\].*lo ≤ hi"),
+                       ({"a": {"b": {**good, "n": 0}}}, r"results\[a/b\].*n ≥ 1"),
+                       ({"a": [{**good, "hi": float("nan")}]}, r"results\[a/0\].*finite")):
+        with pytest.raises(ValueError, match=match):
+            results.check(bad)
