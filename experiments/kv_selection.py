@@ -113,15 +113,19 @@ def needle_reads(cfg: ModelConfig, rec: Summary, spans, start: int, n: int) -> n
     return np.mean(np.stack(hits), axis=(0, 2))
 
 
-def answer_scores(logprobs: np.ndarray, answers: np.ndarray, start: int) -> dict[str, np.ndarray]:
-    """Per row: `exact` (every digit is the argmax = greedy decoding retrieves the key), `digits` (share of
-    digits right, chance 0.1) and `bits` (−log2 p of the answer, per digit), the digits predicted at
-    positions `start …` of `logprobs [B, S, V]`."""
+def answer_scores(logprobs: np.ndarray, answers: np.ndarray, start: int, mask: np.ndarray | None = None
+                  ) -> dict[str, np.ndarray]:
+    """Per row: `exact` (every answer token is the argmax = greedy decoding retrieves the answer), `digits` (share of
+    the retrieved tokens right, chance 0.1) and `bits` (their −log2 p, per token), the answer tokens predicted at
+    positions `start …` of `logprobs [B, S, V]`; `mask [n]` marks the retrieved tokens among the answer's
+    (default: all; e.g. the digits of a list, not its separators)."""
     n = answers.shape[1]
+    mask = np.ones(n, bool) if mask is None else np.asarray(mask, bool)
     lp = logprobs[:, start:start + n]  # [B, n, V]
     hit = np.argmax(lp, axis=-1) == answers
     bits = -np.take_along_axis(lp, answers[..., None], axis=-1)[..., 0] / np.log(2)
-    return {"exact": np.all(hit, axis=1).astype(float), "digits": np.mean(hit, axis=1), "bits": np.mean(bits, axis=1)}
+    return {"exact": np.all(hit, axis=1).astype(float), "digits": np.mean(hit[:, mask], axis=1),
+            "bits": np.mean(bits[:, mask], axis=1)}
 
 
 def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> float:

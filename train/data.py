@@ -215,3 +215,36 @@ def multi_needle_example(rng: np.random.Generator, length: int, n_keys: int, dep
     needles = [(d, f"The key for {name} is {value}. ") for d, name, value in zip(depths, names, values)]
     question = f"What is the key for {names[q]}? The key for {names[q]} is "
     return _haystack(length, needles, question), encode(values[q], bos=False)
+
+
+def ruler_example(rng: np.random.Generator, length: int, depth: float, *, keys: int = 1, values: int = 1,
+                  queries: int = 1, digits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """RULER-style needle retrieval (Hsieh et al. 2024): (prompt [length], answer [A], digit mask [A]).
+
+    `keys` distinct names each hold `values` values, one needle "The key for <name> is NNNN. " per value; the
+    question asks for `queries` of the names and every value of each ("What is the key for <a>? The key for <a> is "
+    for one value of one name, else "What are the keys for <a> and <b>? The keys for <a> and <b> are "). The
+    answer lists the asked values, name by name in the question's order and each name's values in the order they
+    appear, joined by ", "; the digit mask marks its digits (the separators are not retrieved). The needles of the
+    asked names sit together at relative `depth`; the other names' needles (distractors) at uniform random depths.
+    Multi-key: `keys` > 1; multi-value: `values` > 1; multi-query: `queries` > 1.
+    """
+    _check_rng(rng)
+    _check_positive("length", length)
+    depth = _check_depth("depth", depth)
+    for field, value in (("keys", keys), ("values", values), ("queries", queries), ("digits", digits)):
+        _check_positive(field, value)
+    if keys > len(_NAMES):
+        fail("keys", keys, f"at most {len(_NAMES)} distinct names are available; lower keys")
+    if queries > keys:
+        fail("queries", queries, f"asks for more names than the {keys} keys; use queries ≤ keys")
+    names = [_NAMES[i] for i in rng.choice(len(_NAMES), size=keys, replace=False)]
+    held = {name: [_digits(rng, digits) for _ in range(values)] for name in names}
+    asked = names[:queries]
+    needles = [(depth, f"The key for {name} is {v}. ") for name in asked for v in held[name]]
+    needles += [(float(rng.random()), f"The key for {name} is {v}. ") for name in names[queries:] for v in held[name]]
+    who = " and ".join(asked)
+    question = (f"What is the key for {who}? The key for {who} is " if queries == values == 1
+                else f"What are the keys for {who}? The keys for {who} are ")
+    answer = encode(", ".join(v for name in asked for v in held[name]), bos=False)
+    return _haystack(length, needles, question), answer, np.isin(answer, encode("0123456789", bos=False))

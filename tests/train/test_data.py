@@ -135,6 +135,32 @@ def test_multi_needle_example(seed):
     assert dict(found)[queried] == tokenizer.decode(answer)
 
 
+@pytest.mark.parametrize("keys, values, queries", [(1, 1, 1), (4, 1, 1), (1, 3, 1), (4, 1, 2), (5, 2, 3)])
+def test_ruler_example_asks_for_every_value_of_the_asked_names(keys, values, queries):
+    """Read back from the text alone: the needles, the question's names, and the answer they imply."""
+    length, depth = 1200, 0.3
+    for seed in range(4):
+        prompt, answer, mask = data.ruler_example(np.random.default_rng(seed), length, depth, keys=keys,
+                                                  values=values, queries=queries)
+        assert prompt.shape == (length,) and prompt[0] == BOS_ID
+        text = tokenizer.decode(prompt)
+        found = re.findall(r"The key for (\w+) is (\d{4})\. ", text)
+        assert len(found) == keys * values and len({n for n, _ in found}) == keys
+        if queries == values == 1:
+            asked = [re.search(r"What is the key for (\w+)\? The key for \1 is $", text).group(1)]
+        else:
+            who = re.search(r"What are the keys for (.+)\? The keys for \1 are $", text).group(1)
+            asked = who.split(" and ")
+        assert len(asked) == queries and set(asked) <= {n for n, _ in found}
+        expected = ", ".join(v for name in asked for n, v in found if n == name)  # question order, then text order
+        assert tokenizer.decode(answer) == expected
+        assert np.array_equal(mask, [c.isdigit() for c in expected])
+        spans = [m.start() for m in re.finditer(r"The key for (\w+) is \d", text) if m.group(1) in asked]
+        assert all(abs(at / length - depth) < 0.1 for at in spans)  # the asked needles sit at the depth
+        needles = "".join(f"The key for {name} is {v}. " for name in asked for n, v in found if n == name)
+        assert needles in text  # together, in the answer's order
+
+
 # --- bad arguments
 
 
@@ -149,6 +175,11 @@ def test_multi_needle_example(seed):
     (lambda: data.multi_needle_example(np.random.default_rng(0), 500, 0, []), "n_keys=0"),
     (lambda: data.multi_needle_example(np.random.default_rng(0), 500, 27, [0.5] * 27), "n_keys=27"),
     (lambda: data.multi_needle_example(np.random.default_rng(0), 60, 2, [0.2, 0.8]), "length=60"),
+    (lambda: data.ruler_example(np.random.default_rng(0), 500, 0.5, keys=2, queries=3), "queries=3"),
+    (lambda: data.ruler_example(np.random.default_rng(0), 500, 0.5, keys=27), "keys=27"),
+    (lambda: data.ruler_example(np.random.default_rng(0), 500, 0.5, values=0), "values=0"),
+    (lambda: data.ruler_example(np.random.default_rng(0), 500, 1.2), "depth=1.2"),
+    (lambda: data.ruler_example(np.random.default_rng(0), 80, 0.5, keys=3), "length=80"),
     (lambda: next(data.batches(_STREAM[:10], 2, 10, seed=0)), "tokens="),
     (lambda: next(data.batches(_STREAM, 0, 10, seed=0)), "batch_size=0"),
     (lambda: next(data.batches(_STREAM, 2, 10, seed=-1)), "seed=-1"),

@@ -1,0 +1,105 @@
+"""RULER-style retrieval (Hsieh et al. 2024) as length × depth grids: beyond one pass key, several keys with
+distractors, one key holding several values, several keys asked at once, each under the model's own top-k or a
+KV-selection policy at the same read budget (SPEC §14).
+
+Tasks (`TASKS`, built by `train.data.ruler_example`; keys of 4 digits):
+- "single": one named key, asked for;
+- "multikey": 4 keys, one asked; the 3 others are distractors of the same form at random depths;
+- "multivalue": one key holding 3 values, all asked (in the order they appear);
+- "multiquery": 4 keys, 2 asked at once.
+The asked needles sit at the cell's depth. Each cell's prompts are read teacher-forced: every answer token is
+predicted from the prompt and the answer tokens before it, which is exactly greedy decoding producing the answer
+(the forward pass equals prefill + decode), under the SPEC §8 numerics. A policy reads from the first answer step
+on (`research.selection.KVSelection`, `start` = the last prompt position); the prompt itself is the prefill and
+reads the model's own top-k. Per cell: `exact` the share of prompts whose whole answer is right (Wilson interval
+over prompts, the independent unit), `digits` the share of answer digits right (chance 0.1; Wilson over digits,
+which are correlated within a prompt, so narrower than its evidence), `bits` the answer digits' bits (mean over
+prompts, bootstrap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa2 import model
+from csa2.config import ModelConfig
+from csa2.hooks import OWN_TOPK
+from experiments.kv_selection import answer_scores
+from infer import stats
+from research import selection
+from train.data import ruler_example
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """`keys` names holding `values` values each, `queries` of them asked (`train.data.ruler_example`)."""
+
+    keys: int = 1
+    values: int = 1
+    queries: int = 1
+    digits: int = 4
+
+    def example(self, rng: np.random.Generator, length: int, depth: float):
+        return ruler_example(rng, length, depth, keys=self.keys, values=self.values, queries=self.queries,
+                             digits=self.digits)
+
+
+TASKS = {"single": Task(), "multikey": Task(keys=4), "multivalue": Task(values=3),
+         "multiquery": Task(keys=4, queries=2)}
+
+
+def examples(task: Task, length: int, depth: float, samples: int, *,
+             seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [samples, length + A − 1], answers [samples, A], digit mask [A]) of one cell: sample k draws from the
+    stream `[seed, length, depth in millionths, k]` (the same prompts for every policy and budget); tokens are the
+    prompt and every answer token but the last (teacher forcing)."""
+    rows = [task.example(np.random.default_rng([seed, length, round(depth * 1e6), k]), length, depth)
+            for k in range(samples)]
+    return (np.stack([np.concatenate([p, a[:-1]]) for p, a, _ in rows]).astype(np.int32),
+            np.stack([a for _, a, _ in rows]), rows[0][2])
+
+
+def answer_logprobs(cfg: ModelConfig, params, tokens: np.ndarray, answer_len: int,
+                    policy: selection.Policy | None) -> np.ndarray:
+    """Log-probabilities `[B, answer_len, V]` at the answer positions (the last `answer_len`) of `tokens [B, S]`,
+    SPEC §8 numerics, reading under `policy` from the first answer step on (None: the model's own top-k)."""
+    start = tokens.shape[1] - answer_len
+    instrument = OWN_TOPK if policy is None else selection.KVSelection(policy, start)
+    logits, _ = model.forward(cfg, params, jnp.asarray(tokens), qat=True, instrument=instrument)
+    return np.asarray(jax.nn.log_softmax(logits[:, start:].astype(jnp.float32), axis=-1))
+
+
+def grid(cfg: ModelConfig, params, task: Task, lengths: Sequence[int], depths: Sequence[float], samples: int, *,
+         policy: selection.Policy | None = None, batch: int = 8, seed: int = 0) -> dict[str, dict[str, dict]]:
+    """{length: {depth: {"exact", "digits", "bits"}}} (see the module docstring), `samples` prompts per cell read
+    `batch` rows at a time (the last batch padded with its first rows, so every batch of a length has one shape)."""
+    out = {}
+    for length in lengths:
+        out[str(length)] = {}
+        for depth in depths:
+            tokens, answers, mask = examples(task, length, depth, samples, seed=seed)
+            scores = []
+            for i in range(0, samples, batch):
+                rows = (i + np.arange(batch)) % samples
+                lp = answer_logprobs(cfg, params, tokens[rows], answers.shape[1], policy)
+                keep = min(batch, samples - i)
+                scores.append({k: v[:keep] for k, v in answer_scores(lp, answers[rows], 0, mask).items()})
+            per = {k: np.concatenate([s[k] for s in scores]) for k in scores[0]}
+            right = int(round(float(np.sum(per["digits"] * mask.sum()))))
+            out[str(length)][f"{depth:g}"] = {
+                "exact": stats.proportion_interval(int(per["exact"].sum()), samples).as_dict(),
+                "digits": stats.proportion_interval(right, samples * int(mask.sum())).as_dict(),
+                "bits": stats.mean_interval(per["bits"]).as_dict()}
+    return out
+
+
+def heatmap(cells: dict[str, dict[str, dict]], measure: str = "exact") -> tuple[list[str], list[str], np.ndarray]:
+    """(lengths, depths, values [lengths, depths]) of one measure of a `grid`, for `imshow`."""
+    lengths = list(cells)
+    depths = list(cells[lengths[0]])
+    return lengths, depths, np.array([[cells[n][d][measure]["value"] for d in depths] for n in lengths])

@@ -1,0 +1,84 @@
+"""RULER-style grids (`experiments.ruler`): answer scoring on hand cases, and cells read on the fast research
+checkpoint under the model's own top-k and under a policy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from csa2 import model
+from experiments import ruler
+from experiments.kv_selection import answer_scores
+from research import selection
+from train import longctx
+
+V = 12
+
+
+def _onehot_logprobs(tokens: np.ndarray) -> np.ndarray:
+    """Log-probabilities `[B, n, V]` with 0.9 on `tokens` and the rest spread evenly."""
+    p = np.full((*tokens.shape, V), 0.1 / (V - 1))
+    np.put_along_axis(p, tokens[..., None], 0.9, axis=-1)
+    return np.log(p)
+
+
+def test_answer_scores_count_only_the_masked_tokens_as_retrieved():
+    answers = np.array([[1, 2, 10, 3, 4], [1, 2, 10, 3, 4]])  # "12, 34": token 10 is the separator
+    mask = np.array([True, True, False, True, True])
+    predicted = answers.copy()
+    predicted[0, 2] = 11  # row 0: a wrong separator; row 1: one wrong digit
+    predicted[1, 3] = 5
+    got = answer_scores(_onehot_logprobs(predicted), answers, 0, mask)
+    np.testing.assert_array_equal(got["exact"], [0.0, 0.0])
+    np.testing.assert_array_equal(got["digits"], [1.0, 0.75])
+    wrong, right = -np.log2(0.1 / (V - 1)), -np.log2(0.9)
+    np.testing.assert_allclose(got["bits"], [right, (3 * right + wrong) / 4])
+    assert answer_scores(_onehot_logprobs(answers), answers, 0, mask)["exact"].tolist() == [1.0, 1.0]
+    assert answer_scores(_onehot_logprobs(predicted), answers, 0)["digits"].tolist() == [0.8, 0.8]  # all tokens
+
+
+def test_the_tasks_are_rulers():
+    assert {k: (t.keys, t.values, t.queries) for k, t in ruler.TASKS.items()} == {
+        "single": (1, 1, 1), "multikey": (4, 1, 1), "multivalue": (1, 3, 1), "multiquery": (4, 1, 2)}
+    tokens, answers, mask = ruler.examples(ruler.TASKS["multiquery"], 300, 0.5, 3)
+    assert tokens.shape == (3, 300 + answers.shape[1] - 1) and answers.shape == (3, 10) and mask.sum() == 8
+    np.testing.assert_array_equal(tokens[:, 300:], answers[:, :-1])  # teacher forcing
+    again, _, _ = ruler.examples(ruler.TASKS["multiquery"], 300, 0.5, 5)
+    np.testing.assert_array_equal(again[:3], tokens)  # the first prompts are the same for any sample count
+
+
+@pytest.fixture(scope="module")
+def fast_model():
+    cfg, params, _ = longctx.checkpoint(fast=True, log=lambda _: None)
+    return cfg, params
+
+
+def test_a_grid_cell_is_its_prompts_read_teacher_forced(fast_model):
+    """Reading 3 prompts 2 at a time (the last batch padded) scores as one plain forward of the 3 does."""
+    cfg, params = fast_model
+    task = ruler.TASKS["multivalue"]
+    cells = ruler.grid(cfg, params, task, [200], [0.2, 0.8], 3, batch=2)
+    assert list(cells) == ["200"] and list(cells["200"]) == ["0.2", "0.8"]
+    for depth in (0.2, 0.8):
+        tokens, answers, mask = ruler.examples(task, 200, depth, 3)
+        logits, _ = model.forward(cfg, params, jnp.asarray(tokens), qat=True)
+        lp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+        want = answer_scores(lp, answers, 200 - 1, mask)
+        cell = cells["200"][f"{depth:g}"]
+        assert (cell["exact"]["n"], cell["digits"]["n"], cell["bits"]["n"]) == (3, 3 * 12, 3)  # 3 values of 4 digits
+        assert cell["exact"]["value"] == pytest.approx(want["exact"].mean(), abs=1e-3)
+        assert cell["digits"]["value"] == pytest.approx(want["digits"].mean(), abs=1e-3)
+        assert cell["bits"]["value"] == pytest.approx(want["bits"].mean(), abs=2e-3)
+    lengths, depths, values = ruler.heatmap(cells, "bits")
+    assert (lengths, depths) == (["200"], ["0.2", "0.8"]) and values.shape == (1, 2)
+    assert values[0, 1] == cells["200"]["0.8"]["bits"]["value"]
+
+
+def test_a_policy_reads_the_answer_steps(fast_model):
+    """At a budget of one entry, the oracle reads other entries than the model's own top-k: the answer moves."""
+    cfg, params = fast_model
+    at = cfg.replace(index_topk=1, candidate_topk_blocks=1)
+    task = ruler.TASKS["single"]
+    own = ruler.grid(at, params, task, [200], [0.5], 2, batch=2)
+    oracle = ruler.grid(at, params, task, [200], [0.5], 2, batch=2, policy=selection.Oracle())
+    assert own["200"]["0.5"]["bits"]["value"] != oracle["200"]["0.5"]["bits"]["value"]
