@@ -8,6 +8,9 @@ Every comparison runs the SPEC §8 inference numerics (fp4 cache) on the same pr
   tokens (teacher forcing, so the error is the state's, not a diverged text's);
 - `work_ratio`: token×layer work of the bounded prefill over the exact one (`prefill`'s aux `work`);
 - `wall_ratio`: median wall time of the bounded prefill over the exact one, warm, measured interleaved.
+
+`layer_savings` splits replay's wall-time saving over the tail layers, and `sweep_windows` lists the windows where
+the exactness of the last position changes (one per tail layer, up to `csa2.replay.exact_window`).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import numpy as np
 
 from csa2 import model
 from csa2.config import ModelConfig
-from csa2.replay import EXACT, ReplayPolicy
+from csa2.replay import EXACT, ReplayPolicy, exact_window
 from csa2.state import init_state, token_granule
-from infer import generate, prefix_cache
+from infer import generate, prefix_cache, stats
 from infer.values import pow2, round_up
 from train.data import passkey_example
 
@@ -40,8 +43,9 @@ def _kl_top1(p_logits, q_logits) -> tuple[float, float]:
 
 
 def _timed_prefills(cfg, params, prompts, policies: dict, reps: int):
-    """Each policy's prefill of `prompts [B, N]` on a fresh state: its (logits, state, work) and the median warm
-    wall time over `reps` interleaved runs (the first run of each compiles and is not timed)."""
+    """Each policy's prefill of `prompts [B, N]` on a fresh state: its (logits, state, work) and its `reps` warm
+    wall times, interleaved (round i runs the policies in order, reversed when i is odd; the first run of each
+    compiles and is not timed)."""
     b, n = prompts.shape
     cap = _capacity(cfg, n + 64)
     tokens = jnp.asarray(prompts)
@@ -59,7 +63,18 @@ def _timed_prefills(cfg, params, prompts, policies: dict, reps: int):
     for i in range(reps):
         for name in (list(policies) if i % 2 == 0 else list(policies)[::-1]):
             times[name].append(run(policies[name])[1])
-    return results, {name: statistics.median(t) for name, t in times.items()}
+    return results, times
+
+
+def sweep_windows(cfg: ModelConfig, split_layer: int | None = None, *, most: int = 20) -> list[int]:
+    """The replay windows R worth sweeping, ascending: W/4 and W/2, then every `k·(W − 1) + 1` for k = 1 … D (the
+    window from which the last position's receptive field is whole through k of the D tail layers, so the k-th
+    point is where the k-th layer from the top stops being cut; the last is `csa2.replay.exact_window`, from
+    which the last position is exact), then `most · W`. Between two of these points only a layer's far edge moves.
+    """
+    w, bound = cfg.sliding_window, exact_window(cfg, split_layer)  # exact_window refuses a bad split by name
+    d = cfg.num_hidden_layers - ReplayPolicy(window=1, split_layer=split_layer).split(cfg)
+    return sorted({max(w // 4, 1), max(w // 2, 1), *(k * (w - 1) + 1 for k in range(1, d)), bound, most * w})
 
 
 def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, steps: int = 8,
@@ -70,7 +85,8 @@ def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, ste
     for split in splits:
         for window in windows:
             policies[(window, split)] = ReplayPolicy(window=window, split_layer=split)
-    results, wall = _timed_prefills(cfg, params, prompts, policies, reps)
+    results, times = _timed_prefills(cfg, params, prompts, policies, reps)
+    wall = {name: statistics.median(t) for name, t in times.items()}
     (le, se, we) = results["exact"]
     rows = []
     for key, policy in policies.items():
@@ -81,6 +97,24 @@ def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, ste
                      **_compare(cfg, params, (le, se), (lb, sb), steps),
                      "work_ratio": int(wb["work"]) / int(we["work"]), "wall_ratio": wall[key] / wall["exact"]})
     return rows
+
+
+def layer_savings(cfg: ModelConfig, params, prompts: np.ndarray, window: int, *, reps: int = 5) -> dict:
+    """Where bounded replay saves wall time, layer by layer: the prefill of `prompts [B, N]` with replay window
+    `window` split at each tail layer s (layers before s run every row, s and later the tail), and exact.
+    Moving the split from s to s + 1 puts layer s back on every row, so the time it adds is what replay saves on
+    layer s (exact counts as the split after the last layer). {"layers": [{"layer": s, "saved_s": mean of the
+    paired per-round differences with its bootstrap interval (n = reps)}], "exact_s", "replay_s": median wall
+    times, "saved_s": the exact − first-split interval, the sum of the layers' means}."""
+    first = ReplayPolicy(window=window).split(cfg)
+    splits = list(range(first, cfg.num_hidden_layers))
+    policies = {s: ReplayPolicy(window=window, split_layer=s) for s in splits} | {"exact": EXACT}
+    _, times = _timed_prefills(cfg, params, prompts, policies, reps)
+    t = [np.asarray(times[s]) for s in splits] + [np.asarray(times["exact"])]
+    return {"layers": [{"layer": s, "saved_s": stats.mean_interval(t[i + 1] - t[i]).as_dict(digits=6)}
+                       for i, s in enumerate(splits)],
+            "exact_s": statistics.median(times["exact"]), "replay_s": statistics.median(times[first]),
+            "saved_s": stats.mean_interval(t[-1] - t[0]).as_dict(digits=6)}
 
 
 def _compare(cfg, params, exact, bounded, steps: int) -> dict:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from csa2.replay import EXACT, ReplayPolicy, token_layers
+from csa2.replay import EXACT, ReplayPolicy, exact_window, token_layers
 from experiments import replay_windows as rw
 
 N = 24
@@ -35,3 +35,25 @@ def test_prefix_hit_scenarios_reproduce_the_spec_equalities(mini, mini_params, p
     assert by["snapshot, truncate"]["kl_end"] > 1e-4
     assert by["snapshot, borrow"]["work"] == by["snapshot, truncate"]["work"] < by["encoder replay"]["work"]
     assert by["encoder replay"]["work"] == by["cold"]["work"] == token_layers(mini, ReplayPolicy(window=N), N) * 2
+
+
+def test_sweep_windows_hold_every_point_where_a_tail_layer_stops_being_cut(tiny, mini):
+    """tiny: W = 16 and 20 tail layers, so the points are 4, 8, then 16, 31, … 301 = exact_window (one per layer),
+    then 20·W; a later split leaves fewer tail layers and fewer points."""
+    got = rw.sweep_windows(tiny)
+    assert got[:3] == [4, 8, 16] and got[-2:] == [301, 320]
+    assert got[2:-1] == [k * 15 + 1 for k in range(1, 21)] and got[-2] == exact_window(tiny)
+    later = rw.sweep_windows(tiny, split_layer=tiny.num_hidden_layers - 2)
+    assert later == [4, 8, 16, exact_window(tiny, tiny.num_hidden_layers - 2), 320] == [4, 8, 16, 31, 320]
+    assert rw.sweep_windows(mini, most=2) == [4, 8, 16, 31, 32, 46, 61]
+    with pytest.raises(ValueError, match="split_layer"):
+        rw.sweep_windows(mini, split_layer=0)
+
+
+def test_layer_savings_split_the_whole_saving_over_the_tail_layers(mini, mini_params, prompts):
+    got = rw.layer_savings(mini, mini_params, prompts, window=4, reps=3)
+    assert [r["layer"] for r in got["layers"]] == list(range(mini.first_decoder_layer, mini.num_hidden_layers))
+    assert all(r["saved_s"]["n"] == 3 for r in got["layers"]) and got["saved_s"]["n"] == 3
+    # Telescoping: the per-layer means add up to the mean whole saving (exact − split at the first tail layer).
+    assert sum(r["saved_s"]["value"] for r in got["layers"]) == pytest.approx(got["saved_s"]["value"], abs=1e-5)
+    assert got["exact_s"] > 0 and got["replay_s"] > 0
