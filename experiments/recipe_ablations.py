@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import pathlib
 import re
 from typing import Callable, Mapping, Sequence
@@ -170,16 +171,22 @@ def read_scores(hit: np.ndarray, logp: np.ndarray) -> dict[str, dict]:
 
 
 def ablate(base: LongCtxRecipe, arms: Mapping[str, Mapping], seeds: Sequence[int], out: str | pathlib.Path, *,
-           log: Callable[[str], None] = lambda _: None) -> dict:
+           curve_every: int = 0, log: Callable[[str], None] = lambda _: None) -> dict:
     """Every arm (name → `LongCtxRecipe` field overrides on `base`) trained on every seed and scored by
     `passkey_scores`: {"runs": {arm: {seed: scores}}, "across_seeds": {arm: {length: {measure: t interval}}},
     "vs_first": {arm: {length: {measure: t interval of the per-seed difference to the first arm}}}}; with one seed
-    the across-seed entries are None. Run directories: `out/<slug(arm)>/seed<k>`, keyed on the whole recipe."""
-    runs = {}
+    the across-seed entries are None. Run directories: `out/<slug(arm)>/seed<k>`, keyed on the whole recipe.
+
+    `curve_every` > 0 also scores every run at each multiple of that many steps while it trains (when retrieval
+    emerges), kept in the run's `curve.json` and returned as {"curves": {arm: {seed: {step: scores}}}}; a step
+    already trained past when the curve is first asked for has no score."""
+    runs, curves = {}, {}
     for arm, overrides in arms.items():
-        runs[arm] = {}
+        runs[arm], curves[arm] = {}, {}
         for seed in seeds:
             recipe = dataclasses.replace(base, **overrides, seed=seed)
+            if curve_every:
+                curves[arm][str(seed)] = _curve(recipe, out, arm, curve_every, log)
             runs[arm][str(seed)] = scores = passkey_scores(*_fitted(recipe, out, arm, log), recipe)
             log(f"{arm} seed {seed}: " + ", ".join(f"{n} tokens digits {s['digits']['value']:.2f}"
                                                     for n, s in scores.items()))
@@ -191,7 +198,23 @@ def ablate(base: LongCtxRecipe, arms: Mapping[str, Mapping], seeds: Sequence[int
     return {"runs": runs, **{part: {arm: {length: {measure: per_measure[length, measure][part][arm]
                                                    for measure in ("keys", "digits", "bits")}
                                           for length in map(str, base.eval_lengths)} for arm in arms}
-                             for part in ("across_seeds", "vs_first")}}
+                             for part in ("across_seeds", "vs_first")},
+            **({"curves": curves} if curve_every else {})}
+
+
+def _curve(recipe: LongCtxRecipe, out: str | pathlib.Path, arm: str, every: int, log) -> dict[str, dict]:
+    """{step: `passkey_scores`} at each multiple of `every` below the recipe's end, training the run up to each
+    in turn; scores are kept in the run's curve.json, so a resumed or repeated call scores each step once."""
+    path = _run_dir(out, arm, recipe.seed)
+    store = path / "curve.json"
+    curve = json.loads(store.read_text()) if store.exists() else {}
+    for step in range(every, recipe.steps, every):
+        trained = native.latest_step(path)
+        if str(step) in curve or (trained is not None and trained > step):
+            continue
+        curve[str(step)] = passkey_scores(*_fitted(recipe, out, arm, log, until=step), recipe)
+        store.write_text(json.dumps(curve, indent=1) + "\n")
+    return curve
 
 
 def _across_seeds(values: Mapping[str, Mapping[str, float]]) -> dict:
@@ -244,12 +267,18 @@ def budget_sweep(base: LongCtxRecipe, arms: Mapping[str, Mapping], arm: str, see
                              for part in ("across_seeds", "vs_first")}}
 
 
-def _fitted(recipe: LongCtxRecipe, out: str | pathlib.Path, arm: str, log) -> tuple[ModelConfig, object]:
-    """(config, params) of `recipe` trained (or restored) in `out/<slug(arm)>/seed<k>`, keyed on the whole recipe."""
-    path = pathlib.Path(out) / slug(arm) / f"seed{recipe.seed}"
+def _run_dir(out: str | pathlib.Path, arm: str, seed: int) -> pathlib.Path:
+    return pathlib.Path(out) / slug(arm) / f"seed{seed}"
+
+
+def _fitted(recipe: LongCtxRecipe, out: str | pathlib.Path, arm: str, log,
+            until: int | None = None) -> tuple[ModelConfig, object]:
+    """(config, params) of `recipe` trained (or restored) in `out/<slug(arm)>/seed<k>` up to step `until` (default:
+    the end), the directory keyed on the whole recipe."""
+    path = _run_dir(out, arm, recipe.seed)
     with longctx.lock(path):
         longctx.claim(path, recipe)
-        cfg, state = longctx.fit(recipe, path, log=log)
+        cfg, state = longctx.fit(recipe, path, log=log, until=until)
     return cfg, state.params
 
 

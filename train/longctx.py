@@ -288,13 +288,15 @@ def format_table(table: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def fit(recipe: LongCtxRecipe, out: pathlib.Path, *, log: Callable[[str], None] = print) -> tuple[ModelConfig, object]:
-    """(config, final train state) of `recipe` trained into `out`: a partial run there resumes, a finished one is
-    restored; no evaluation (the caller holds `lock(out)` and has checked the recipe)."""
+def fit(recipe: LongCtxRecipe, out: pathlib.Path, *, log: Callable[[str], None] = print,
+        until: int | None = None) -> tuple[ModelConfig, object]:
+    """(config, train state) of `recipe` trained into `out` up to step `until` (default: the end; the schedule is
+    the whole recipe's either way): a partial run there resumes, a finished one is restored; no evaluation (the
+    caller holds `lock(out)` and has checked the recipe)."""
     write_recipe(out, recipe)
     cfg = recipe.config()
     return cfg, train(cfg, recipe.train_config(), mixed_batches(recipe, load_corpus().train), out,
-                      resume=ckpt.latest_step(out) is not None, log=log, save_every=100)
+                      resume=ckpt.latest_step(out) is not None, log=log, save_every=100, until=until)
 
 
 def run(recipe: LongCtxRecipe, out: str | pathlib.Path, *,

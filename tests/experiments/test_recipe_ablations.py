@@ -103,6 +103,19 @@ def test_claims_say_whether_an_interval_excludes_zero(done):
     assert ra._claim("a vs b", "x", iv([-0.3, -0.31, -0.29]).as_dict()).endswith("the interval excludes 0")
 
 
+def test_a_curve_scores_the_run_while_it_trains_and_changes_nothing_else(done, tmp_path):
+    """Scored at step 1 on the way: the run resumes bit for bit, so its final scores are the fixture's."""
+    got = ra.ablate(S.base, {"recipe": {}}, (0,), tmp_path, curve_every=1)
+    curve = got["curves"]["recipe"]["0"]
+    assert list(curve) == ["1"] and (tmp_path / "recipe" / "seed0" / "curve.json").exists()
+    assert got["runs"]["recipe"]["0"] == done["ablate"]["runs"]["recipe"]["0"]
+    length = str(S.base.eval_lengths[0])
+    assert curve["1"][length]["bits"] != got["runs"]["recipe"]["0"][length]["bits"]  # one step fewer
+    metrics = (tmp_path / "recipe" / "seed0" / "metrics.jsonl").read_text()
+    assert ra.ablate(S.base, {"recipe": {}}, (0,), tmp_path, curve_every=1) == got  # scored once, nothing trains
+    assert (tmp_path / "recipe" / "seed0" / "metrics.jsonl").read_text() == metrics
+
+
 def test_the_command_writes_what_it_measured(done, capsys):
     assert ra.main(["--fast"]) == 0  # every run restored: nothing trains
     assert "results:" in capsys.readouterr().out
