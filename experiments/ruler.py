@@ -7,14 +7,15 @@ Tasks (`TASKS`, built by `train.data.ruler_example`; keys of 4 digits):
 - "multikey": 4 keys, one asked; the 3 others are distractors of the same form at random depths;
 - "multivalue": one key holding 3 values, all asked (in the order they appear);
 - "multiquery": 4 keys, 2 asked at once.
-The asked needles sit at the cell's depth. Each cell's prompts are read teacher-forced: every answer token is
-predicted from the prompt and the answer tokens before it, which is exactly greedy decoding producing the answer
-(the forward pass equals prefill + decode), under the SPEC §8 numerics. A policy reads from the first answer step
-on (`research.selection.KVSelection`, `start` = the last prompt position); the prompt itself is the prefill and
-reads the model's own top-k. Per cell: `exact` the share of prompts whose whole answer is right (Wilson interval
-over prompts, the independent unit), `digits` the share of answer digits right (chance 0.1; Wilson over digits,
-which are correlated within a prompt, so narrower than its evidence), `bits` the answer digits' bits (mean over
-prompts, bootstrap).
+The asked needles sit at the cell's depth. Prompts come in the wording training used ("train") or in a held-out one
+that no training row holds (`train.data.TEMPLATES`). Each cell's prompts are read teacher-forced: every answer token
+is predicted from the prompt and the answer tokens before it, which is exactly greedy decoding producing the answer
+(the forward pass equals prefill + decode), under the SPEC §8 numerics. A policy reads from the first answer step on
+(`research.selection.KVSelection`, `start` = the last prompt position); the prompt itself is the prefill and reads
+the model's own top-k. Per cell: `exact` the share of prompts whose whole answer is right (Wilson interval over
+prompts, the independent unit), `digits` the share of answer digits right (chance 0.1; Wilson over digits, which are
+correlated within a prompt, so narrower than its evidence), `bits` the answer digits' bits (mean over prompts,
+bootstrap).
 """
 
 from __future__ import annotations
@@ -44,21 +45,22 @@ class Task:
     queries: int = 1
     digits: int = 4
 
-    def example(self, rng: np.random.Generator, length: int, depth: float):
+    def example(self, rng: np.random.Generator, length: int, depth: float, template: str = "train"):
         return ruler_example(rng, length, depth, keys=self.keys, values=self.values, queries=self.queries,
-                             digits=self.digits)
+                             digits=self.digits, template=template)
 
 
 TASKS = {"single": Task(), "multikey": Task(keys=4), "multivalue": Task(values=3),
          "multiquery": Task(keys=4, queries=2)}
 
 
-def examples(task: Task, length: int, depth: float, samples: int, *,
-             seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens [samples, length + A − 1], answers [samples, A], digit mask [A]) of one cell: sample k draws from the
-    stream `[seed, length, depth in millionths, k]` (the same prompts for every policy and budget); tokens are the
-    prompt and every answer token but the last (teacher forcing)."""
-    rows = [task.example(np.random.default_rng([seed, length, round(depth * 1e6), k]), length, depth)
+def examples(task: Task, length: int, depth: float, samples: int, *, seed: int = 0,
+             template: str = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [samples, length + A − 1], answers [samples, A], digit mask [A]) of one cell in the wording of
+    `template` (`train.data.TEMPLATES`): sample k draws from the stream `[seed, length, depth in millionths, k]`
+    (the same prompts for every policy and budget); tokens are the prompt and every answer token but the last
+    (teacher forcing)."""
+    rows = [task.example(np.random.default_rng([seed, length, round(depth * 1e6), k]), length, depth, template)
             for k in range(samples)]
     return (np.stack([np.concatenate([p, a[:-1]]) for p, a, _ in rows]).astype(np.int32),
             np.stack([a for _, a, _ in rows]), rows[0][2])
@@ -75,14 +77,16 @@ def answer_logprobs(cfg: ModelConfig, params, tokens: np.ndarray, answer_len: in
 
 
 def grid(cfg: ModelConfig, params, task: Task, lengths: Sequence[int], depths: Sequence[float], samples: int, *,
-         policy: selection.Policy | None = None, batch: int = 8, seed: int = 0) -> dict[str, dict[str, dict]]:
-    """{length: {depth: {"exact", "digits", "bits"}}} (see the module docstring), `samples` prompts per cell read
-    `batch` rows at a time (the last batch padded with its first rows, so every batch of a length has one shape)."""
+         policy: selection.Policy | None = None, batch: int = 8, seed: int = 0,
+         template: str = "train") -> dict[str, dict[str, dict]]:
+    """{length: {depth: {"exact", "digits", "bits"}}} (see the module docstring), `samples` prompts per cell in the
+    wording of `template` ("held_out": never trained on) read `batch` rows at a time (the last batch padded with
+    its first rows, so every batch of a length has one shape)."""
     out = {}
     for length in lengths:
         out[str(length)] = {}
         for depth in depths:
-            tokens, answers, mask = examples(task, length, depth, samples, seed=seed)
+            tokens, answers, mask = examples(task, length, depth, samples, seed=seed, template=template)
             scores = []
             for i in range(0, samples, batch):
                 rows = (i + np.arange(batch)) % samples

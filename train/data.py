@@ -34,8 +34,36 @@ from csa2.tokenizer import encode
 
 VALID_EVERY = 10  # document i (distinct topic texts, sorted by key) is validation iff i % VALID_EVERY == 0
 
-_FILLER = ("The grass is green. The sky is blue. The sun is yellow. "
-           "Here we go. There and back again. ")
+
+
+class Template(NamedTuple):
+    """The wording of the long-context tasks: the filler (sentences, each ending in ". "), the pass key's needle
+    (`{key}`) and question, a named key's needle (`{name}`, `{value}`) and the questions for one value of one name
+    and for several (`{who}`: the asked names, joined by " and "). Each question ends where the answer begins."""
+
+    filler: str
+    passkey: str
+    passkey_question: str
+    named: str
+    ask_one: str
+    ask_many: str
+
+
+TEMPLATES = {
+    # What training rows use (train.longctx) and what every figure so far was scored on.
+    "train": Template(
+        filler="The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
+        passkey="The pass key is {key}. Remember it. ", passkey_question="What is the pass key? The pass key is ",
+        named="The key for {name} is {value}. ", ask_one="What is the key for {who}? The key for {who} is ",
+        ask_many="What are the keys for {who}? The keys for {who} are "),
+    # Never trained on: other filler and other phrasings of the same tasks, for evaluation.
+    "held_out": Template(
+        filler="A boat drifts on the lake. The wind turns cold. Birds fly south. Night falls on the hills. ",
+        passkey="Keep this secret number in mind: {key}. ",
+        passkey_question="Which secret number was given? The secret number is ",
+        named="{name} holds the number {value}. ", ask_one="Which number does {who} hold? {who} holds ",
+        ask_many="Which numbers do {who} hold? {who} hold "),
+}
 _NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
           "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
           "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu")
@@ -153,7 +181,7 @@ def _digits(rng: np.random.Generator, n: int) -> str:
     return str(rng.integers(1, 10)) + "".join(str(d) for d in rng.integers(0, 10, size=n - 1))
 
 
-def _haystack(length: int, needles: Sequence[tuple[float, str]], question: str) -> np.ndarray:
+def _haystack(length: int, needles: Sequence[tuple[float, str]], question: str, filler: str) -> np.ndarray:
     """[BOS] + filler with each (depth, needle) inserted at that relative depth + question: `length` ids.
 
     The filler is the tail of a repeated text, so it ends on a sentence; each needle goes to the
@@ -163,32 +191,33 @@ def _haystack(length: int, needles: Sequence[tuple[float, str]], question: str) 
     n_filler = length - fixed
     if n_filler < 0:
         fail("length", length, f"needs at least {fixed} tokens for the needles and the question; raise length")
-    repeated = _FILLER * (n_filler // len(_FILLER) + 1)
-    filler = repeated[len(repeated) - n_filler:]
-    starts = np.array(sorted({0, n_filler, *(m.end() for m in re.finditer(r"\. ", filler))}))
+    repeated = filler * (n_filler // len(filler) + 1)
+    text = repeated[len(repeated) - n_filler:]
+    starts = np.array(sorted({0, n_filler, *(m.end() for m in re.finditer(r"\. ", text))}))
     parts, cut = [], 0
-    for depth, text in sorted(needles, key=lambda dn: dn[0]):
+    for depth, needle in sorted(needles, key=lambda dn: dn[0]):
         at = int(starts[np.argmin(np.abs(starts - depth * n_filler))])
-        parts += [filler[cut:at], text]
+        parts += [text[cut:at], needle]
         cut = at
-    parts += [filler[cut:], question]
+    parts += [text[cut:], question]
     return encode("".join(parts), bos=True)
 
 
-def passkey_example(rng: np.random.Generator, length: int, depth: float, *,
-                    digits: int = 5) -> tuple[np.ndarray, np.ndarray]:
+def passkey_example(rng: np.random.Generator, length: int, depth: float, *, digits: int = 5,
+                    template: str = "train") -> tuple[np.ndarray, np.ndarray]:
     """Pass-key retrieval: (prompt [length] int32, answer [digits] int32); the needle sits at relative `depth`.
 
-    The prompt is BOS, filler with "The pass key is NNNNN. Remember it. " inserted at `depth`, then
-    "What is the pass key? The pass key is " (trailing space), so the answer is exactly the digits.
+    The prompt is BOS, filler with the needle ("The pass key is NNNNN. Remember it. " in the "train" template)
+    inserted at `depth`, then the question ("What is the pass key? The pass key is ", trailing space), so the answer
+    is exactly the digits. `template`: a key of `TEMPLATES` ("held_out": wording never trained on).
     """
     _check_rng(rng)
     _check_positive("length", length)
     depth = _check_depth("depth", depth)
     _check_positive("digits", digits)
+    words = _template(template)
     key = _digits(rng, digits)
-    needle = f"The pass key is {key}. Remember it. "
-    prompt = _haystack(length, [(depth, needle)], "What is the pass key? The pass key is ")
+    prompt = _haystack(length, [(depth, words.passkey.format(key=key))], words.passkey_question, words.filler)
     return prompt, encode(key, bos=False)
 
 
@@ -212,13 +241,14 @@ def multi_needle_example(rng: np.random.Generator, length: int, n_keys: int, dep
     names = [_NAMES[i] for i in rng.choice(len(_NAMES), size=n_keys, replace=False)]
     values = [_digits(rng, digits) for _ in range(n_keys)]
     q = int(rng.integers(n_keys))
-    needles = [(d, f"The key for {name} is {value}. ") for d, name, value in zip(depths, names, values)]
-    question = f"What is the key for {names[q]}? The key for {names[q]} is "
-    return _haystack(length, needles, question), encode(values[q], bos=False)
+    words = TEMPLATES["train"]
+    needles = [(d, words.named.format(name=name, value=value)) for d, name, value in zip(depths, names, values)]
+    return _haystack(length, needles, words.ask_one.format(who=names[q]), words.filler), encode(values[q], bos=False)
 
 
 def ruler_example(rng: np.random.Generator, length: int, depth: float, *, keys: int = 1, values: int = 1,
-                  queries: int = 1, digits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  queries: int = 1, digits: int = 4,
+                  template: str = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """RULER-style needle retrieval (Hsieh et al. 2024): (prompt [length], answer [A], digit mask [A]).
 
     `keys` distinct names each hold `values` values, one needle "The key for <name> is NNNN. " per value; the
@@ -227,7 +257,8 @@ def ruler_example(rng: np.random.Generator, length: int, depth: float, *, keys: 
     answer lists the asked values, name by name in the question's order and each name's values in the order they
     appear, joined by ", "; the digit mask marks its digits (the separators are not retrieved). The needles of the
     asked names sit together at relative `depth`; the other names' needles (distractors) at uniform random depths.
-    Multi-key: `keys` > 1; multi-value: `values` > 1; multi-query: `queries` > 1.
+    Multi-key: `keys` > 1; multi-value: `values` > 1; multi-query: `queries` > 1. The wording above is the
+    "train" template's; `template` picks another of `TEMPLATES` ("held_out": never trained on).
     """
     _check_rng(rng)
     _check_positive("length", length)
@@ -238,13 +269,20 @@ def ruler_example(rng: np.random.Generator, length: int, depth: float, *, keys: 
         fail("keys", keys, f"at most {len(_NAMES)} distinct names are available; lower keys")
     if queries > keys:
         fail("queries", queries, f"asks for more names than the {keys} keys; use queries ≤ keys")
+    words = _template(template)
     names = [_NAMES[i] for i in rng.choice(len(_NAMES), size=keys, replace=False)]
     held = {name: [_digits(rng, digits) for _ in range(values)] for name in names}
     asked = names[:queries]
-    needles = [(depth, f"The key for {name} is {v}. ") for name in asked for v in held[name]]
-    needles += [(float(rng.random()), f"The key for {name} is {v}. ") for name in names[queries:] for v in held[name]]
-    who = " and ".join(asked)
-    question = (f"What is the key for {who}? The key for {who} is " if queries == values == 1
-                else f"What are the keys for {who}? The keys for {who} are ")
+    needles = [(depth, words.named.format(name=name, value=v)) for name in asked for v in held[name]]
+    needles += [(float(rng.random()), words.named.format(name=name, value=v))
+                for name in names[queries:] for v in held[name]]
+    question = (words.ask_one if queries == values == 1 else words.ask_many).format(who=" and ".join(asked))
     answer = encode(", ".join(v for name in asked for v in held[name]), bos=False)
-    return _haystack(length, needles, question), answer, np.isin(answer, encode("0123456789", bos=False))
+    return (_haystack(length, needles, question, words.filler), answer,
+            np.isin(answer, encode("0123456789", bos=False)))
+
+
+def _template(name: str) -> Template:
+    if name not in TEMPLATES:
+        fail("template", name, f"use one of {sorted(TEMPLATES)} ('held_out': wording never trained on)")
+    return TEMPLATES[name]

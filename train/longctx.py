@@ -221,15 +221,18 @@ def _answer_reads(cfg: ModelConfig, params, tokens: jax.Array, answers: jax.Arra
 
 
 def passkey_reads(cfg: ModelConfig, params, recipe: LongCtxRecipe, length: int, *, samples: int | None = None,
-                  qat: bool = True, replay: ReplayPolicy = EXACT) -> tuple[np.ndarray, np.ndarray]:
+                  qat: bool = True, replay: ReplayPolicy = EXACT,
+                  template: str = "train") -> tuple[np.ndarray, np.ndarray]:
     """(hit, logprob) `[samples, depths, digits]` of the pass keys at `length` tokens: sample k holds one key at each
     of `recipe.eval_depths` (drawn from the stream `[_EVAL_STREAM, seed, length, k]`), read teacher-forced; `hit`
     says whether the argmax is the digit, `logprob` is the digit's log-probability. `samples` defaults to
-    `recipe.eval_samples`; the first k samples are the same for any `samples` ≥ k."""
+    `recipe.eval_samples`; the first k samples are the same for any `samples` ≥ k. `template`: the prompts'
+    wording (`train.data.TEMPLATES`; "held_out" is never trained on)."""
     hits, logps = [], []
     for sample in range(recipe.eval_samples if samples is None else samples):
         rng = np.random.default_rng([_EVAL_STREAM, recipe.seed, length, sample])
-        pairs = [passkey_example(rng, length, depth, digits=recipe.digits) for depth in recipe.eval_depths]
+        pairs = [passkey_example(rng, length, depth, digits=recipe.digits, template=template)
+                 for depth in recipe.eval_depths]
         tokens = np.stack([np.concatenate([p, a[:-1]]) for p, a in pairs])
         answers = np.stack([a for _, a in pairs])
         pred, logp = _answer_reads(cfg, params, jnp.asarray(tokens), jnp.asarray(answers), qat, replay)

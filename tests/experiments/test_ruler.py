@@ -82,3 +82,12 @@ def test_a_policy_reads_the_answer_steps(fast_model):
     own = ruler.grid(at, params, task, [200], [0.5], 2, batch=2)
     oracle = ruler.grid(at, params, task, [200], [0.5], 2, batch=2, policy=selection.Oracle())
     assert own["200"]["0.5"]["bits"]["value"] != oracle["200"]["0.5"]["bits"]["value"]
+
+
+def test_held_out_prompts_are_the_same_tasks_in_other_words():
+    task = ruler.TASKS["multikey"]
+    train, answers, mask = ruler.examples(task, 300, 0.5, 2)
+    held, held_answers, held_mask = ruler.examples(task, 300, 0.5, 2, template="held_out")
+    np.testing.assert_array_equal(held_answers, answers)  # the same draws: the same keys asked
+    np.testing.assert_array_equal(held_mask, mask)
+    assert held.shape == train.shape and not np.array_equal(held, train)

@@ -161,6 +161,27 @@ def test_ruler_example_asks_for_every_value_of_the_asked_names(keys, values, que
         assert needles in text  # together, in the answer's order
 
 
+def test_held_out_wording_shares_no_phrase_with_training():
+    """Prompts in the held-out template hold the same tasks (the key, its depth, the answer) in wording that no
+    training row holds: none of the training template's sentences or phrasings appears."""
+    train = data.TEMPLATES["train"]
+    phrases = [p for p in train.filler.split(". ") if p.strip()] + ["pass key", "The key for", "What is", "What are"]
+    rng = np.random.default_rng(5)
+    prompt, answer = data.passkey_example(rng, 800, 0.4, template="held_out")
+    text, key = tokenizer.decode(prompt), tokenizer.decode(answer)
+    assert prompt.shape == (800,) and f"Keep this secret number in mind: {key}. " in text
+    assert text.endswith("Which secret number was given? The secret number is ")
+    assert abs(text.index(key) / 800 - 0.4) < 0.05
+    prompt, answer, mask = data.ruler_example(rng, 800, 0.6, keys=4, values=2, queries=2, template="held_out")
+    text = tokenizer.decode(prompt)
+    found = re.findall(r"(\w+) holds the number (\d{4})\. ", text)
+    who = re.search(r"Which numbers do (.+) hold\? \1 hold $", text).group(1).split(" and ")
+    assert len(found) == 8 and tokenizer.decode(answer) == ", ".join(v for w in who for n, v in found if n == w)
+    for text in (tokenizer.decode(prompt), tokenizer.decode(data.passkey_example(rng, 800, 0.1,
+                                                                                 template="held_out")[0])):
+        assert not [p for p in phrases if p in text]
+
+
 # --- bad arguments
 
 
@@ -179,6 +200,8 @@ def test_ruler_example_asks_for_every_value_of_the_asked_names(keys, values, que
     (lambda: data.ruler_example(np.random.default_rng(0), 500, 0.5, keys=27), "keys=27"),
     (lambda: data.ruler_example(np.random.default_rng(0), 500, 0.5, values=0), "values=0"),
     (lambda: data.ruler_example(np.random.default_rng(0), 500, 1.2), "depth=1.2"),
+    (lambda: data.ruler_example(np.random.default_rng(0), 500, 0.5, template="test"), "template='test'"),
+    (lambda: data.passkey_example(np.random.default_rng(0), 500, 0.5, template=None), "template=None"),
     (lambda: data.ruler_example(np.random.default_rng(0), 80, 0.5, keys=3), "length=80"),
     (lambda: next(data.batches(_STREAM[:10], 2, 10, seed=0)), "tokens="),
     (lambda: next(data.batches(_STREAM, 0, 10, seed=0)), "batch_size=0"),

@@ -219,3 +219,15 @@ def test_retrieval_curve_scores_each_saved_step_once(built, tmp_path):
     retrieval_curve.follow(run, (128,), 1, poll_s=1.0, log=lambda _: None, sleep=lambda _: pytest.fail("waited"))
     assert [json.loads(line) for line in (run / retrieval_curve.CURVE).read_text().splitlines()] == [row]
 
+
+
+def test_pass_keys_can_be_read_in_held_out_wording(built):
+    """`template="held_out"` reads the pass keys in words no training row holds (the same draws, so the same keys
+    and depths: tests/train/test_data.py); an unknown template is refused by name."""
+    _, (cfg, params, _) = built
+    recipe = longctx.FAST
+    hit, logp = longctx.passkey_reads(cfg, params, recipe, recipe.eval_lengths[0], samples=1, template="held_out")
+    again, _ = longctx.passkey_reads(cfg, params, recipe, recipe.eval_lengths[0], samples=1)
+    assert hit.shape == again.shape == (1, len(recipe.eval_depths), recipe.digits) and np.isfinite(logp).all()
+    with pytest.raises(ValueError, match="template='other'"):
+        longctx.passkey_reads(cfg, params, recipe, recipe.eval_lengths[0], samples=1, template="other")
