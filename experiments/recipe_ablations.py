@@ -236,7 +236,7 @@ def read_budget(cfg: ModelConfig, params, recipe: LongCtxRecipe, budgets: Mappin
     """{budget: {length: `read_scores` and "vs_first": the per-key difference in digits right to the first budget,
     bootstrap over keys}}: one checkpoint's pass keys read at each `(index_topk, candidate_topk_blocks)` of
     `budgets`, the same prompts at every budget (None for the first)."""
-    out, first = {}, {}
+    out, first, reference = {}, {}, next(iter(budgets))
     for name, (topk, blocks) in budgets.items():
         at = cfg.replace(index_topk=topk, candidate_topk_blocks=blocks)
         out[name] = {}
@@ -244,9 +244,8 @@ def read_budget(cfg: ModelConfig, params, recipe: LongCtxRecipe, budgets: Mappin
             hit, logp = longctx.passkey_reads(at, params, recipe, int(length))
             per_key = hit.mean(axis=2).ravel()  # digits right per key
             base = first.setdefault(length, per_key)
-            out[name][length] = {**read_scores(hit, logp),
-                                 "vs_first": stats.mean_interval(per_key - base).as_dict() if out.keys() - {name}
-                                 else None}
+            out[name][length] = {**read_scores(hit, logp), "vs_first": None if name == reference
+                                 else stats.mean_interval(per_key - base).as_dict()}
     return out
 
 
