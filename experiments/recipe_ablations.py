@@ -162,11 +162,9 @@ def passkey_scores(cfg: ModelConfig, params, recipe: LongCtxRecipe) -> dict[str,
 
 
 def read_scores(hit: np.ndarray, logp: np.ndarray) -> dict[str, dict]:
-    """{"keys", "digits": shares with Wilson intervals, "bits": answer bits per digit, mean over keys with a
-    bootstrap interval} of one length's reads (`hit`, `logp` `[samples, depths, digits]`)."""
-    keys = hit.all(axis=2)
-    return {"keys": stats.proportion_interval(int(keys.sum()), keys.size).as_dict(),
-            "digits": stats.proportion_interval(int(hit.sum()), hit.size).as_dict(),
+    """`longctx.read_figures` ("keys", "digits": shares with Wilson intervals) and "bits": answer bits per digit,
+    mean over keys with a bootstrap interval, of one length's reads (`hit`, `logp` `[samples, depths, digits]`)."""
+    return {**longctx.read_figures(hit),
             "bits": stats.mean_interval((-logp.mean(axis=2) / np.log(2)).ravel()).as_dict()}
 
 

@@ -257,19 +257,23 @@ def retrieval_scores(cfg: ModelConfig, params, recipe: LongCtxRecipe, *, qat: bo
     return exact, digits
 
 
-def _proportion(hits: np.ndarray) -> dict:
-    return stats.proportion_interval(int(hits.sum()), hits.size).as_dict()
+def read_figures(hit: np.ndarray) -> dict[str, dict]:
+    """{"keys": keys retrieved, "digits": digits right}, each a share with its 95 % Wilson interval, of one
+    length's reads `hit [samples, depths, digits]` (`passkey_reads`). Keys are independent prompts; the digits of
+    one key are not, so the digits' interval is narrower than their evidence."""
+    keys = hit.all(axis=2)
+    return {name: stats.proportion_interval(int(x.sum()), x.size).as_dict() for name, x in (("keys", keys),
+                                                                                             ("digits", hit))}
 
 
 def passkey_figures(cfg: ModelConfig, params, recipe: LongCtxRecipe, replay: ReplayPolicy = EXACT) -> dict:
-    """{length: keys retrieved and digits right, each a share with its 95 % Wilson interval, and keys by depth}
-    over `recipe.eval_lengths` under `replay` (`passkey_reads`, SPEC §8 numerics). Keys are independent prompts;
-    the digits of one key are not, so the digits' interval is narrower than their evidence."""
+    """{length: `read_figures` and keys by depth} over `recipe.eval_lengths` under `replay` (`passkey_reads`,
+    SPEC §8 numerics)."""
     out = {}
     for length in recipe.eval_lengths:
         hit, _ = passkey_reads(cfg, params, recipe, length, replay=replay)
         keys = hit.all(axis=2)  # [samples, depths]
-        out[str(length)] = {"keys": _proportion(keys), "digits": _proportion(hit),
+        out[str(length)] = {**read_figures(hit),
                             "keys_by_depth": {f"{d:g}": float(k) for d, k in zip(recipe.eval_depths,
                                                                                  keys.mean(axis=0))}}
     return out
