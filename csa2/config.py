@@ -202,9 +202,9 @@ def validate(cfg: ModelConfig) -> None:
     if cfg.kernel_impl not in ops.CHOICES:
         fail("ModelConfig.kernel_impl", cfg.kernel_impl, f"use one of {ops.CHOICES}")
     block = cfg.candidate_block_size
-    if cfg.kernel_impl != "xla" and block & (block - 1):
+    if cfg.kernel_impl in ("pallas", "auto") and block & (block - 1):
         fail("ModelConfig.candidate_block_size", block, "the Pallas block-max kernel needs a power of two; use 4, 8, … "
-              "or kernel_impl='xla'")
+              "or kernel_impl='xla' or 'dense'")
     if cfg.scoring_func != "sqrtsoftplus":
         fail("ModelConfig.scoring_func", cfg.scoring_func,
               "V4.1 routes with 'sqrtsoftplus' (SPEC §9); no other router is implemented")

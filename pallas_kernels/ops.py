@@ -6,7 +6,9 @@
   `row_dma`). Sparse attention has its own backward kernel, in both forms; the indexer ops' gradient is
   the reference's, recomputed from the same inputs
   (`_reference_gradient`: the index loss and Reindex train through it), so a model running the kernels trains.
-- `"auto"`: the reference on CPU (the interpreter is for tests, not speed), the kernels elsewhere.
+- `"dense"`: the reference, except sparse attention reads the Global entries densely under a top-k mask where
+  that reads less than gathering them (`dense.py`: short rows, e.g. training on CPU; equal to float rounding).
+- `"auto"`: `"dense"` on CPU (the interpreter is for tests, not speed), the kernels elsewhere.
 
 The MoE's grouped matmul, `ragged_dot`, has its own implementations: `"xla"` (`lax.ragged_dot`, the reference)
 and `"tiled"` (`grouped.py`, the routed rows' work in plain XLA); `"auto"` picks by shape (`ragged_dot_impl`).
@@ -21,22 +23,22 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels import grouped, indexer as _indexer, reference, sparse_attention as _sparse
+from pallas_kernels import dense, grouped, indexer as _indexer, reference, sparse_attention as _sparse
 from pallas_kernels.stored import Stored
 
 Array = jax.Array
 
-IMPLS = ("xla", "pallas")  # the backends of the table
+IMPLS = ("xla", "pallas", "dense")  # the backends of the table
 CHOICES = (*IMPLS, "auto")
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """The table backend of `impl` on `backend` (default: JAX's): "auto" is "xla" on CPU, "pallas" elsewhere."""
+    """The table backend of `impl` on `backend` (default: JAX's): "auto" is "dense" on CPU, "pallas" elsewhere."""
     if impl not in CHOICES:
         raise ValueError(f"impl={impl!r}: expected one of {CHOICES}")
     if impl != "auto":
         return impl
-    return "xla" if (backend or jax.default_backend()) == "cpu" else "pallas"
+    return "dense" if (backend or jax.default_backend()) == "cpu" else "pallas"
 
 
 def _reference_gradient(kernel: Callable, ref: Callable) -> Callable:
@@ -47,13 +49,16 @@ def _reference_gradient(kernel: Callable, ref: Callable) -> Callable:
 
 
 BACKENDS: dict[str, dict[str, Callable]] = {
-    "sparse_attention": {"xla": reference.sparse_attention, "pallas": _sparse.sparse_attention},
+    "sparse_attention": {"xla": reference.sparse_attention, "pallas": _sparse.sparse_attention,
+                         "dense": dense.sparse_attention},
     "indexer_scores": {"xla": reference.indexer_scores,
-                       "pallas": _reference_gradient(_indexer.indexer_scores, reference.indexer_scores)},
+                       "pallas": _reference_gradient(_indexer.indexer_scores, reference.indexer_scores),
+                       "dense": reference.indexer_scores},
     "indexer_scores_gathered": {"xla": reference.indexer_scores_gathered,
                                 "pallas": _reference_gradient(_indexer.indexer_scores_gathered,
-                                                              reference.indexer_scores_gathered)},
-    "block_max": {"xla": reference.block_max, "pallas": _indexer.block_max},
+                                                              reference.indexer_scores_gathered),
+                                "dense": reference.indexer_scores_gathered},
+    "block_max": {"xla": reference.block_max, "pallas": _indexer.block_max, "dense": reference.block_max},
     "ragged_dot": {"xla": reference.ragged_dot, "tiled": grouped.ragged_dot},
 }
 

@@ -1,4 +1,4 @@
-"""`kernel_impl="pallas"` (interpreted on CPU) gives the outputs of the "xla" oracle (DESIGN §4).
+"""`kernel_impl="pallas"` (interpreted on CPU) and `"dense"` give the outputs of the "xla" oracle (DESIGN §4).
 
 The same parameters run through both impls: an attention stack of every role (SWA, Full,
 candidate source, Reindex, Reuse) on a chunk and a decode step, then the whole model on a
@@ -40,10 +40,10 @@ def _vec(*v):
 TWO_SOURCES = XLA.replace(kv_source_layer_ids=(1, 2, 4), index_source_layer_ids=(1, 2, 4, 6))
 
 
-def _both_impls(run, xla=XLA):
-    """{"xla": run(xla), "pallas": run(xla with kernel_impl="pallas")}, side by side."""
+def _both_impls(run, xla=XLA, other="pallas"):
+    """{"xla": run(xla), other: run(xla with kernel_impl=other)}, side by side."""
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(("xla", "pallas"), pool.map(run, (xla, xla.replace(kernel_impl="pallas")))))
+        return dict(zip(("xla", other), pool.map(run, (xla, xla.replace(kernel_impl=other)))))
 
 
 @pytest.mark.parametrize("fmt, quantize, base", [("fp4", True, XLA), ("float", False, XLA),
@@ -81,15 +81,18 @@ def _prefill_and_decode(cfg, params):
     return jnp.stack(seq, 1)
 
 
-def test_model_prefill_and_decode_match_xla(mini_params):
-    logits = _both_impls(lambda cfg: _prefill_and_decode(cfg, mini_params))
-    np.testing.assert_allclose(logits["pallas"], logits["xla"], rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("impl", ["pallas", "dense"])
+def test_model_prefill_and_decode_match_xla(mini_params, impl):
+    logits = _both_impls(lambda cfg: _prefill_and_decode(cfg, mini_params), other=impl)
+    np.testing.assert_allclose(logits[impl], logits["xla"], rtol=1e-4, atol=1e-4)
 
 
-def test_forward_gradient_with_index_loss_matches_xla(mini_params):
+@pytest.mark.parametrize("impl", ["pallas", "dense"])
+def test_forward_gradient_with_index_loss_matches_xla(mini_params, impl):
     """jax.grad through `forward(..., instrument=IndexLoss("sparse"))`: the kernels' custom VJPs (sparse attention's
-    backward kernel) give the xla config's gradient, for every parameter, within 1e-4 of its norm. (The
-    reference's backward on the kernels' forward measured the same worst figures: the gap is the forward's.)"""
+    backward kernel), and the dense reads' autodiff, give the xla config's gradient, for every parameter, within
+    1e-4 of its norm. (The reference's backward on the kernels' forward measured the same worst figures: the gap
+    is the forward's.)"""
     tokens = jax.random.randint(jax.random.PRNGKey(4), (B, 10), 0, 256, jnp.int32)
 
     def run(cfg):
@@ -98,13 +101,13 @@ def test_forward_gradient_with_index_loss_matches_xla(mini_params):
             return jnp.sum(logits**2) + jnp.sum(aux["tap"]), aux["tap"]
         return jax.grad(loss, has_aux=True)(mini_params)
 
-    out = _both_impls(run)
-    (g_pallas, kl_pallas), (g_xla, kl_xla) = out["pallas"], out["xla"]
+    out = _both_impls(run, other=impl)
+    (g_other, kl_other), (g_xla, kl_xla) = out[impl], out["xla"]
     # The indexer loss is live on every index source (layers 1, 4, 6), so its gradient is exercised.
     index_sources = list(XLA.index_source_layer_ids)
     assert np.all(np.asarray(kl_xla)[index_sources] > 0)
-    np.testing.assert_allclose(kl_pallas, kl_xla, rtol=1e-4, atol=1e-7)
-    flat_p, flat_x = nnx.to_flat_state(g_pallas), nnx.to_flat_state(g_xla)
+    np.testing.assert_allclose(kl_other, kl_xla, rtol=1e-4, atol=1e-7)
+    flat_p, flat_x = nnx.to_flat_state(g_other), nnx.to_flat_state(g_xla)
     assert [path for path, _ in flat_p] == [path for path, _ in flat_x]
     indexer_grads = 0
     for (path, a), (_, b) in zip(flat_p, flat_x):

@@ -9,17 +9,18 @@ from pallas_kernels import _common, ops, reference
 from tests.pallas_kernels.cases import indexer_case
 
 
-@pytest.mark.parametrize("backend,want", [("cpu", "xla"), ("gpu", "pallas"), ("cuda", "pallas"), ("tpu", "pallas")])
-def test_auto_is_the_reference_on_cpu_and_the_kernels_elsewhere(backend, want):
+@pytest.mark.parametrize("backend,want", [("cpu", "dense"), ("gpu", "pallas"), ("cuda", "pallas"), ("tpu", "pallas")])
+def test_auto_is_the_dense_reads_on_cpu_and_the_kernels_elsewhere(backend, want):
     assert ops.resolve_impl("auto", backend) == want
-    assert ops.resolve_impl("xla", backend) == "xla" and ops.resolve_impl("pallas", backend) == "pallas"
+    for impl in ops.IMPLS:
+        assert ops.resolve_impl(impl, backend) == impl
 
 
 def test_auto_runs_the_reference_here_and_bad_impls_are_refused():
     q, w, ikey, _, visible = indexer_case(3, b=1, s=2, hi=2, di=32, n=9, pool=4)
     np.testing.assert_array_equal(ops.indexer_scores(q, w, ikey, visible, impl="auto"),
                                   reference.indexer_scores(q, w, ikey, visible))
-    with pytest.raises(ValueError, match=r"impl='mosaic': expected one of \('xla', 'pallas', 'auto'\)"):
+    with pytest.raises(ValueError, match=r"impl='mosaic': expected one of \('xla', 'pallas', 'dense', 'auto'\)"):
         ops.indexer_scores(q, w, ikey, visible, impl="mosaic")
 
 
