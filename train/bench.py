@@ -1,7 +1,8 @@
 """`python -m train.bench`: compile seconds and step time of `train_step` (DESIGN §5, §8).
 
     python -m train.bench [--config tiny] [--batch-size 4] [--seq-len 128] [--steps 5] [--float] [--mesh data=8]
-                          [--remat layer] [--dtype-policy bfloat16]
+                          [--remat layer] [--dtype-policy bfloat16] [--kernel-impl dense]
+                          [--index-topk 128 --candidate-topk-blocks 32]
 
 One JSON line per measurement with the machine and the config (the `infer.bench_model` reporter):
 `compile` (lower and compile seconds of the jitted update) and `train_step` (median step seconds
@@ -10,7 +11,10 @@ after compilation, tokens per second). `--mesh` also times the step sharded on t
 `train_step_sharded` with its ratio to the one-device step measured in the same run: on CPU devices
 that share the cores, the ratio shows the partitioning's overhead, not a speed-up. `--remat POLICY` also
 times the step with that rematerialization policy (`csa2.remat`) and prints `train_step_remat` with its ratio
-to the step without it, measured in the same run. `--dtype-policy` sets both steps' policy.
+to the step without it, measured in the same run. `--kernel-impl IMPL` also times the step with the hot paths on
+that backend (`pallas_kernels.ops`; the first step runs the config's, "xla") and prints `train_step_impl` with its
+ratio. `--dtype-policy` sets both steps' policy; `--index-topk` and `--candidate-topk-blocks` set the read budget
+(e.g. the long-context recipe's 128 and 32).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 from csa2 import compile_cache, mesh as mesh_lib, remat
 from csa2.presets import PRESETS, preset
 from infer.bench_model import Reporter, config_info, machine_info
+from pallas_kernels import ops
 from train.plan import parse_mesh, rerun_with_devices
 from train.step import DTYPE_POLICIES, TrainConfig, init_train_state, train_state_shardings, train_step
 
@@ -55,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remat", default=None, choices=remat.POLICIES[1:],
                     help="also time the step with this remat policy (csa2.remat)")
     ap.add_argument("--dtype-policy", default="float32", choices=DTYPE_POLICIES)
+    ap.add_argument("--kernel-impl", default=None, choices=ops.CHOICES,
+                    help="also time the step with this backend of the hot paths (pallas_kernels.ops)")
+    ap.add_argument("--index-topk", type=int, default=None, help="Global entries per query (default: the preset's)")
+    ap.add_argument("--candidate-topk-blocks", type=int, default=None,
+                    help="candidate blocks of the decoder's pool (default: the preset's)")
     compile_cache.add_argument(ap, fallback=False)
     args = ap.parse_args(argv)
     compile_cache.enable_cli(ap, args.compile_cache, fallback=False)
@@ -70,11 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     code = rerun_with_devices("train.bench", argv, devices)
     if code is not None:
         return code
-    cfg = preset(args.config)
+    budget = {name: getattr(args, name) for name in ("index_topk", "candidate_topk_blocks")
+              if getattr(args, name) is not None}
+    try:
+        cfg = preset(args.config).replace(**budget)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     qat = not args.float
     tc = TrainConfig(steps=args.steps + 1, batch_size=args.batch_size, seq_len=args.seq_len,
                      dtype_policy=args.dtype_policy)
-    rep = Reporter(machine_info(), {**config_info(args.config, cfg), "batch": args.batch_size, "seq_len": args.seq_len})
+    rep = Reporter(machine_info(), {**config_info(args.config, cfg), "batch": args.batch_size, "seq_len": args.seq_len,
+                                      "index_topk": cfg.index_topk, "candidate_topk_blocks": cfg.candidate_topk_blocks})
     state = init_train_state(cfg, tc)
     rng = np.random.default_rng(0)
     batch = [jnp.asarray(rng.integers(0, min(cfg.vocab_size, 256), (args.batch_size, args.seq_len)), jnp.int32)
@@ -97,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         rematted = _median_step(step, init_train_state(cfg, rc), batch, args.steps)
         rep.emit("train_step_remat", qat=qat, remat=args.remat, compile_s=round(compile_s, 3), steps=args.steps,
                  median_step_s=round(rematted, 4), vs_no_remat=round(rematted / med, 3))
+    if args.kernel_impl is not None:
+        other = cfg.replace(kernel_impl=args.kernel_impl)
+        t0 = time.perf_counter()
+        step = train_step.lower(other, tc, init_train_state(cfg, tc), *batch, qat=qat).compile()
+        compile_s = time.perf_counter() - t0
+        timed = _median_step(step, init_train_state(cfg, tc), batch, args.steps)
+        rep.emit("train_step_impl", qat=qat, kernel_impl=args.kernel_impl, compile_s=round(compile_s, 3),
+                 steps=args.steps, median_step_s=round(timed, 4), vs_config_impl=round(timed / med, 3))
     if shape is not None:
         try:
             mesh = mesh_lib.make_mesh(shape, jax.devices()[:devices])
