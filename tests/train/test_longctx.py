@@ -127,7 +127,7 @@ def _leaves(tree):
 def test_checkpoint_is_built_once_then_restored(built, monkeypatch):
     out, (cfg, params, report) = built
     assert cfg == FAST.config() == dataclasses.replace(preset(FAST.preset), initializer_range=FAST.initializer_range,
-                                                       index_topk=128, candidate_topk_blocks=32)
+                                                       index_topk=128, candidate_topk_blocks=32, kernel_impl="auto")
     assert json.loads((out / longctx.RECIPE).read_text()) == json.loads(json.dumps(dataclasses.asdict(FAST)))
     assert report == json.loads((out / longctx.ACCURACY).read_text())
     assert set(report["passkey"]) == {str(n) for n in FAST.eval_lengths}
