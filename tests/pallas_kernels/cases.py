@@ -207,6 +207,25 @@ def np_sparse_attention(args):
     return np_sink_attention(q, keys, np.concatenate([main_valid, win_valid], axis=2), sink)
 
 
+def attention_grads(fn, args, r):
+    """d/d(q, sink, main, window) of Σ r·fn(args) for a sparse attention `fn` (float0 for integer leaves: packed
+    bits, ids)."""
+    q, sink, main, main_idx, win, win_idx = args
+    loss = lambda q, sink, main, win: jnp.sum(fn(q, sink, main, main_idx, win, win_idx) * r)  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2, 3), allow_int=True)(q, sink, main, win)
+
+
+def check_same_grads(want, got):
+    """`attention_grads` of two implementations agree leaf by leaf (dtype, shape, values to 1e-5), and every float
+    gradient is live."""
+    for name, w, g in zip(("q", "sink", "main", "window"), want, got):
+        for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g)):
+            assert wl.dtype == gl.dtype and wl.shape == gl.shape, name
+            if wl.dtype != jax.dtypes.float0:
+                assert np.abs(np.asarray(wl)).max() > 0, name
+                np.testing.assert_allclose(gl, wl, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def empty_rows(main_idx, main_rows, win_idx, win_rows):
     """[B, S] rows with no valid entry in either source."""
     main_idx, win_idx = np.asarray(main_idx), np.asarray(win_idx)

@@ -5,13 +5,19 @@ numpy oracle on their cases; here: that those cases take the dense read, repeate
 reference gathers them (and a mutant that counts each listed entry once is caught), the gradients, the blocks of
 queries, and the fallback to the reference where gathering reads less."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import dense, ops, reference
-from tests.pallas_kernels.cases import ATTENTION_CASES, TOL, attention_case, np_sparse_attention
+from tests.pallas_kernels.cases import (
+    ATTENTION_CASES,
+    TOL,
+    attention_case,
+    attention_grads,
+    check_same_grads,
+    np_sparse_attention,
+)
 
 
 def _repeated_ids_case(seed=21, **packed):
@@ -54,12 +60,6 @@ def test_repeated_ids_weigh_as_often_as_gathered(monkeypatch):
 _multiplicity = dense.multiplicity
 
 
-def _grads(fn, args, r):
-    q, sink, main, main_idx, win, win_idx = args
-    loss = lambda q, sink, main, win: jnp.sum(fn(q, sink, main, main_idx, win, win_idx) * r)  # noqa: E731
-    return jax.grad(loss, argnums=(0, 1, 2, 3), allow_int=True)(q, sink, main, win)
-
-
 @pytest.mark.parametrize("args", [
     _repeated_ids_case(22, packed_main=False, packed_win=False),
     attention_case(23, **ATTENTION_CASES["decode"], packed_win=False)[0],  # packed main: its bits get float0
@@ -69,14 +69,8 @@ def test_gradient_is_the_reference_gradient(args):
     q, sink, main, main_idx, win, win_idx = args
     args = (q, sink, main, main_idx.at[0, 0, :2].set(jnp.array([main.rows, -1], jnp.int32)), win, win_idx)
     r = jnp.asarray(np.random.default_rng(7).standard_normal(args[0].shape), jnp.float32)
-    want = _grads(reference.sparse_attention, args, r)
-    got = _grads(dense.sparse_attention, args, r)
-    for name, w, g in zip(("q", "sink", "main", "window"), want, got):
-        for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g)):
-            assert wl.dtype == gl.dtype and wl.shape == gl.shape, name
-            if wl.dtype != jax.dtypes.float0:
-                assert np.abs(np.asarray(wl)).max() > 0, name
-                np.testing.assert_allclose(gl, wl, rtol=1e-5, atol=1e-5, err_msg=name)
+    check_same_grads(attention_grads(reference.sparse_attention, args, r),
+                     attention_grads(dense.sparse_attention, args, r))
 
 
 def test_blocks_of_queries_read_the_same():

@@ -15,6 +15,8 @@ from tests.pallas_kernels.cases import (
     ATTENTION_CASES,
     TOL,
     attention_case,
+    attention_grads,
+    check_same_grads,
     empty_rows,
     np_entries,
     np_gather,
@@ -213,13 +215,6 @@ def test_tpu_form_lowers_through_mosaic(s, k, packed_main, num_splits):
 
 # --- gradient: the backward kernel -------------------------------------------------------------------
 
-def _grads(fn, args, r):
-    """d/d(q, sink, main, window) of Σ r·fn(args) (float0 for integer leaves: packed bits, ids)."""
-    q, sink, main, main_idx, win, win_idx = args
-    loss = lambda q, sink, main, win: jnp.sum(fn(q, sink, main, main_idx, win, win_idx) * r)  # noqa: E731
-    return jax.grad(loss, argnums=(0, 1, 2, 3), allow_int=True)(q, sink, main, win)
-
-
 @pytest.mark.parametrize("case,packed,kwargs", [
     ("chunk", dict(packed_main=False, packed_win=False), dict()),
     ("chunk", dict(packed_main=False, packed_win=True), dict(block_h=2, block_k=8, block_w=4)),  # 2 head blocks
@@ -232,14 +227,8 @@ def test_backward_kernel_is_the_reference_gradient(case, packed, kwargs):
     main_idx = args[3].at[0, 0, :3].set(jnp.array([args[2].rows, -1, 0], jnp.int32))  # an id ≥ N; −1
     args = (*args[:3], main_idx, *args[4:])
     r = jnp.asarray(np.random.default_rng(7).standard_normal(args[0].shape), jnp.float32)
-    want = _grads(reference.sparse_attention, args, r)
-    got = _grads(functools.partial(pk_sparse.sparse_attention, interpret=True, **kwargs), args, r)
-    for name, w, g in zip(("q", "sink", "main", "window"), want, got):
-        for wl, gl in zip(jax.tree.leaves(w), jax.tree.leaves(g)):
-            assert wl.dtype == gl.dtype and wl.shape == gl.shape, name
-            if wl.dtype != jax.dtypes.float0:
-                assert np.abs(np.asarray(wl)).max() > 0, name
-                np.testing.assert_allclose(gl, wl, rtol=1e-5, atol=1e-5, err_msg=name)
+    check_same_grads(attention_grads(reference.sparse_attention, args, r),
+                     attention_grads(functools.partial(pk_sparse.sparse_attention, interpret=True, **kwargs), args, r))
 
 
 def test_tpu_backward_kernel_is_the_reference_gradient():
@@ -248,9 +237,9 @@ def test_tpu_backward_kernel_is_the_reference_gradient():
                          ("decode", dict(packed_main=True, packed_win=False))):
         args, _ = attention_case(6, **ATTENTION_CASES[case], **packed)
         r = jnp.asarray(np.random.default_rng(7).standard_normal(args[0].shape), jnp.float32)
-        want = _grads(reference.sparse_attention, args, r)
-        got = _grads(functools.partial(pk_sparse.sparse_attention, target="tpu_interpret", block_k=8, block_w=8),
-                     args, r)
+        want = attention_grads(reference.sparse_attention, args, r)
+        got = attention_grads(functools.partial(pk_sparse.sparse_attention, target="tpu_interpret", block_k=8,
+                                                block_w=8), args, r)
         for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
             if w.dtype != jax.dtypes.float0:
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=case)
