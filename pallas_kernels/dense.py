@@ -1,14 +1,15 @@
 """Sparse attention read densely (`impl="dense"`): every Global entry scored, the top-k kept by a mask (SPEC §3).
 
 The reference gathers each query's K entries, `[B, S, K, D]` float32 per layer, and a backward pass keeps and
-scatters them back. When a query could see few entries, that copy costs more than scoring all of them: at a
-training row of 128 tokens the `tiny` preset's queries list K = 128 ids of N ≤ 128 entries, and the gathered keys
-hold K·D = 4096 values per query where the dense logits hold H·N ≤ 512. This form scores the N entries of the main
-buffer with one matmul per row, weights each by the number of times the query lists it (`multiplicity`: 0 drops
-it, a repeated id counts as often as the reference gathers it), and gathers only the W window rows. The sums then
-run over entries in buffer order rather than top-k order, so values match the reference to float rounding, not
-bit for bit; where the dense read is not the smaller one (H·N > K·D: long rows, decode against a long cache) the
-reference runs instead.
+scatters them back. When a query could see few entries, that copy costs more than scoring all of them: at a training
+row of 128 tokens the long-context recipe's `tiny` queries list K = 128 ids of N ≤ 128 entries, and the gathered
+keys hold K·D = 4096 values per query where the dense logits hold H·N ≤ 512. This form decodes the main buffer
+whole, once per call (N·D values per row, at most K·D²/H under the rule below, against the reference's K·D per
+query), scores its N entries with one matmul per row, weights each by the number of times the query lists it
+(`multiplicity`: 0 drops it, a repeated id counts as often as the reference gathers it), and gathers only the W
+window rows. The sums then run over entries in buffer order rather than top-k order, so values match the reference
+to float rounding, not bit for bit; where the dense read is not the smaller one (H·N > K·D: long rows, decode
+against a long cache) the reference runs instead.
 """
 
 from __future__ import annotations

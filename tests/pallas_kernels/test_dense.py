@@ -46,6 +46,9 @@ def test_multiplicity_counts_each_listing():
     np.testing.assert_array_equal(dense.multiplicity(idx, 5), want)
 
 
+_multiplicity = dense.multiplicity  # the real one, for the mutant below
+
+
 def test_repeated_ids_weigh_as_often_as_gathered(monkeypatch):
     args = _repeated_ids_case()
     want = np_sparse_attention(args)
@@ -56,8 +59,6 @@ def test_repeated_ids_weigh_as_often_as_gathered(monkeypatch):
     mutant = np.asarray(dense.sparse_attention.__wrapped__(*args))
     assert not np.allclose(mutant, want, **TOL)
 
-
-_multiplicity = dense.multiplicity
 
 
 @pytest.mark.parametrize("args", [
