@@ -18,13 +18,14 @@ $(STAMP): pyproject.toml
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one worker so its fixtures and
 # compiled programs are built once. XLA compiles on one thread (a serial test file keeps ~1.25 of 2 cores busy),
-# so two workers use CI's second core.
+# so two workers use CI's second core. Files are handed out longest first (tests/conftest.py's LONGEST_FILES), in
+# that order rather than xdist's most-tests-first, so the run does not end on one long file.
 TEST_WORKERS ?= 2
 
 # The linter runs first (pyproject.toml's [tool.ruff]; alone: `.venv/bin/ruff check .`): a lint error fails the target.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m csa2 inspect --preset v41_flash --context 1048576

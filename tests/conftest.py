@@ -42,6 +42,40 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from csa2 import model  # noqa: E402  (after the cache is configured: nothing may compile before)
 from csa2.presets import preset  # noqa: E402
 
+# The files that take longest, in seconds of test time (setup, call and teardown) in one `make test` run on the
+# 2-core machine (2026-12-06). `pytest_collection_modifyitems` moves them to the front, longest first; under
+# `--dist loadfile --no-loadscope-reorder` (the Makefile's) pytest-xdist hands files to the workers in that
+# order, so the run ends on short files instead of one worker finishing a long one while the other idles.
+# A stale figure only costs balance, never a test.
+LONGEST_FILES = {
+    "tests/test_notebooks.py": 605,
+    "tests/test_isa.py": 377,
+    "tests/infer/test_speculative.py": 311,
+    "tests/infer/test_fuzz.py": 238,
+    "tests/experiments/test_recipe_ablations.py": 230,
+    "tests/csa2/test_sharding.py": 224,
+    "tests/csa2/test_model.py": 220,
+    "tests/train/test_memory.py": 186,
+    "tests/train/test_plan.py": 186,
+    "tests/csa2/test_kernel_impl.py": 185,
+    "tests/csa2/test_multiprocess.py": 159,
+    "tests/train/test_research_model.py": 148,
+    "tests/experiments/test_qat.py": 132,
+    "tests/infer/test_handoff.py": 122,
+    "tests/csa2/checkpoints/test_bundled.py": 119,
+    "tests/csa2/test_selection.py": 107,
+    "tests/experiments/test_replay_windows.py": 104,
+    "tests/infer/test_bench_model.py": 93,
+    "tests/train/test_soak.py": 91,
+    "tests/csa2/test_dspark.py": 87,
+    "tests/infer/test_generate_sharded.py": 85,
+}
+
+
+def pytest_collection_modifyitems(items):
+    """The longest files first (`LONGEST_FILES`); every other file after them, in collection order."""
+    items.sort(key=lambda item: -LONGEST_FILES.get(item.nodeid.split("::")[0], 0))  # stable: keeps file order
+
 
 @pytest.fixture(scope="session")
 def mini():
