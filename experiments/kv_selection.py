@@ -14,6 +14,10 @@ keys and multi-needle keys read teacher-forced with every answer digit predicted
 last prompt position), by needle depth: whether the answer steps read the needle's Global entries at all
 (`needle_reads`), the digits right and the answer's bits; bits per byte of held-out text scored from its
 middle on.
+
+Each quality figure comes with its n and a 95 % interval over prompts, the independent unit (the digits of one
+key are not: `prompt_intervals`): keys retrieved whole as a share of independent trials (Wilson), the other
+means by a bootstrap over prompts (`infer.stats`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from csa2.hooks import Joined
 from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
 from experiments import topk
+from infer import stats
 from research import selection
 from research.probe_stats import ProbeStats, Summary
 from train.data import multi_needle_example, passkey_example
@@ -128,19 +133,34 @@ def answer_scores(logprobs: np.ndarray, answers: np.ndarray, start: int, mask: n
             "bits": np.mean(bits[:, mask], axis=1)}
 
 
-def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> float:
-    """Bits per byte (the byte tokenizer: one token per byte) of `targets [B, S]` at positions ≥ `start`."""
+def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> np.ndarray:
+    """Bits per byte (the byte tokenizer: one token per byte) of each row of `targets [B, S]` at positions ≥ `start`
+    `[B]` (rows of one length: their mean is the pooled figure)."""
     lp = np.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, S]
-    return float(-np.mean(lp[:, start:]) / np.log(2))
+    return -np.mean(lp[:, start:], axis=1) / np.log(2)
+
+
+def prompt_intervals(per_prompt: dict[str, np.ndarray]) -> dict[str, dict]:
+    """{measure: interval dict} of one value per prompt `[n]` per measure: `exact` (0/1 per prompt: a key
+    retrieved whole) as a share of independent trials (Wilson), every other measure as a mean with a bootstrap
+    over prompts (`infer.stats`)."""
+    out = {}
+    for name, values in per_prompt.items():
+        values = np.asarray(values, np.float64)
+        interval = (stats.proportion_interval(int(values.sum()), len(values)) if name == "exact"
+                    else stats.mean_interval(values))
+        out[name] = interval.as_dict()
+    return out
 
 
 def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples: int, text: np.ndarray,
              keys: int = 2, names=NAMES, log=lambda _: None) -> list[dict]:
     """The baseline table: one row per (budget, policy) with `budget_use` on the pass-key prompts, pass-key
     and `keys`-needle scores (means over depths; `by_depth` per depth: {depth: {exact, digits, bits, needle}};
-    `needle` = `needle_reads`), and
-    bits per byte of `text [B = len(depths), length + digits]` scored from its middle on. Every run of one
-    (budget, policy) shares one compiled program (the same shapes; the start is traced)."""
+    `needle` = `needle_reads`; `<task>_intervals`: {measure: interval} over the `samples · len(depths)` prompts,
+    `prompt_intervals`), and bits per byte of `text [B = len(depths), length + digits]` scored from its middle on
+    (`bpb_interval` over its rows). Every run of one (budget, policy) shares one compiled program (the same
+    shapes; the start is traced)."""
     passkeys = retrieval_examples(length, depths, samples)
     needles = retrieval_examples(length, depths, samples, keys=keys)
     start = length - 1  # every answer digit is predicted under the policy
@@ -163,11 +183,15 @@ def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples:
                         uses.append(budget_use(at, rec, policy, start))
                 merged = {k: np.mean([s[k] for s in scores], axis=0) for k in scores[0]}  # [depths]
                 row.update({f"{task}_{k}": float(np.mean(v)) for k, v in merged.items()})
+                row[f"{task}_intervals"] = prompt_intervals({k: np.concatenate([s[k] for s in scores])
+                                                             for k in scores[0]})
                 row[f"{task}_by_depth"] = {float(d): {k: float(v[i]) for k, v in merged.items()}
                                            for i, d in enumerate(depths)}
             row.update({k: float(np.mean([u[k] for u in uses])) for k in uses[0]})
             logprobs, _ = run(at, params, text[:, :-1], policy, text_start)
-            row["bpb"] = bits_per_byte(logprobs, text[:, 1:], text_start)
+            per_row = bits_per_byte(logprobs, text[:, 1:], text_start)
+            row["bpb"] = float(np.mean(per_row))
+            row["bpb_interval"] = stats.mean_interval(per_row).as_dict()
             log(f"budget {budget} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
                                                          if isinstance(v, float)))
             rows.append(row)
@@ -178,9 +202,29 @@ COLUMNS = ("reads", "kept", "recall", "lost", "passkey_needle", "passkey_digits"
            "needles_digits", "needles_bits", "bpb")
 
 
+def interval_of(row: dict, column: str) -> dict | None:
+    """The interval `evaluate` stored for `column` of `row` (`passkey_digits` → `passkey_intervals["digits"]`,
+    `bpb` → `bpb_interval`), or None for a column without one (the budget measures)."""
+    if column == "bpb":
+        return row.get("bpb_interval")
+    task, _, measure = column.partition("_")
+    return row.get(f"{task}_intervals", {}).get(measure)
+
+
 def format_table(rows: list[dict], columns=COLUMNS) -> str:
-    """The table as text, one line per (budget, policy)."""
-    lines = [f"{'budget':>6} {'policy':<13}" + "".join(f"{c:>16}" for c in columns)]
-    for r in rows:
-        lines.append(f"{r['budget']:>6} {r['policy']:<13}" + "".join(f"{r[c]:>16.3f}" for c in columns))
+    """The table as text, one line per (budget, policy); a column with an interval shows `value [lo, hi]`, and a
+    last line states each such column's n (prompts, or rows of text for `bpb`) and level."""
+    widths = {c: 22 if interval_of(rows[0], c) else 16 for c in columns}
+
+    def cell(r, c):
+        iv = interval_of(r, c)
+        text = f"{r[c]:.3f}" if iv is None else f"{iv['value']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}]"
+        return f"{text:>{widths[c]}}"
+
+    lines = [f"{'budget':>6} {'policy':<13}" + "".join(f"{c:>{widths[c]}}" for c in columns)]
+    lines += [f"{r['budget']:>6} {r['policy']:<13}" + "".join(cell(r, c) for c in columns) for r in rows]
+    notes = sorted({(c.partition("_")[0] if c != "bpb" else "bpb", interval_of(rows[0], c)["n"],
+                     interval_of(rows[0], c)["level"]) for c in columns if interval_of(rows[0], c)})
+    if notes:
+        lines.append("intervals: " + "; ".join(f"{name} n = {n} at {level:.0%}" for name, n, level in notes))
     return "\n".join(lines)

@@ -67,7 +67,20 @@ def test_answer_scores_and_bits_per_byte():
     np.testing.assert_allclose(out["bits"], [-(np.log2(0.8) + np.log2(0.6)) / 2])
     out = kv.answer_scores(logprobs, np.array([[0, 1]]), 1)
     np.testing.assert_allclose([out["exact"][0], out["digits"][0]], [0.0, 0.5])
-    assert kv.bits_per_byte(logprobs, np.array([[0, 2, 1]]), 1) == pytest.approx(-(np.log2(0.8) + np.log2(0.6)) / 2)
+    np.testing.assert_allclose(kv.bits_per_byte(logprobs, np.array([[0, 2, 1]]), 1),
+                               [-(np.log2(0.8) + np.log2(0.6)) / 2])
+    two_rows = np.concatenate([logprobs, logprobs])
+    np.testing.assert_allclose(kv.bits_per_byte(two_rows, np.array([[0, 2, 1], [0, 0, 0]]), 2),
+                               [-np.log2(0.6), -np.log2(0.2)])  # one figure per row
+
+
+def test_prompt_intervals_count_prompts_and_keep_a_perfect_score_uncertain():
+    """n is the number of prompts; keys retrieved by every prompt are a share of independent trials (Wilson: 10 of
+    10 gives [0.72, 1]), not a bootstrap, which would claim [1, 1]."""
+    out = kv.prompt_intervals({"exact": np.ones(10), "digits": np.r_[np.full(5, 0.2), np.full(5, 0.8)]})
+    assert out["exact"]["n"] == out["digits"]["n"] == 10
+    assert out["exact"]["value"] == out["exact"]["hi"] == 1.0 and 0.70 < out["exact"]["lo"] < 0.75
+    assert out["digits"]["value"] == pytest.approx(0.5) and 0.2 < out["digits"]["lo"] < 0.5 < out["digits"]["hi"] < 0.8
 
 
 def test_budget_use_on_a_hand_record():
@@ -90,7 +103,14 @@ def test_budget_use_on_a_hand_record():
     assert evict == pytest.approx({"reads": 16.0, "kept": kept, "recall": 0.6, "lost": 0.4})
 
 
-def test_format_table_has_a_line_per_row():
+def test_format_table_has_a_line_per_row_and_states_each_intervals_n():
     rows = [{"budget": 16, "policy": name, **{c: 0.5 for c in kv.COLUMNS}} for name in kv.NAMES]
     text = kv.format_table(rows).splitlines()
     assert len(text) == 1 + len(kv.NAMES) and all(c in text[0] for c in kv.COLUMNS)
+    interval = {"value": 0.5, "lo": 0.25, "hi": 0.75, "n": 10, "level": 0.95}
+    for r in rows:
+        r.update(passkey_intervals={"digits": interval}, bpb_interval={**interval, "n": 5})
+    text = kv.format_table(rows, ("reads", "passkey_digits", "bpb")).splitlines()
+    assert len(text) == 2 + len(kv.NAMES)
+    assert text[1].split()[2:] == ["0.500", "0.500", "[0.250,", "0.750]", "0.500", "[0.250,", "0.750]"]
+    assert text[-1] == "intervals: bpb n = 5 at 95%; passkey n = 10 at 95%"
