@@ -14,6 +14,9 @@ Only queries where selection matters count: more visible entries than `index_top
 selection holds every visible entry and its recall is 1 by construction; a sweep uses its largest
 `index_topk` for every point, so all points count the same queries), and some Global mass.
 
+The per-role figures (`by_role`) pool the counted queries of a role's layers and come with a 95 % interval from
+resampling the prompts, the independent unit (`infer.stats.ratio_interval`): queries of one prompt are not.
+
 `selected`, `recall`, `oracle` and `overlap` are the same measures on the full per-entry records of
 `research.probe.Probes` (host arrays `[..., N]`), for short prompts and per-entry maps.
 """
@@ -30,6 +33,7 @@ from csa2 import model
 from csa2.config import ModelConfig
 from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
+from infer import stats
 from research.probe_stats import ProbeStats, Summary
 
 
@@ -94,47 +98,68 @@ def counted(cfg: ModelConfig, layer: int, rec: Summary, min_visible: int | None 
     return (visible > bound)[None, :] & (total > 0)
 
 
+MEASURES = ("recall", "oracle", "overlap", "scan", "pool", "inside_pool")
+
+
 def _mean(x: np.ndarray, where: np.ndarray) -> float:
     return float(np.mean(x[where])) if np.any(where) else float("nan")
+
+
+def _per_prompt(x: np.ndarray, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Σ of `x [B, S]` over the counted queries `where [B, S]` of each prompt, and their number, `[B]` each."""
+    return np.sum(np.where(where, x, 0.0), axis=1), np.sum(where, axis=1)
 
 
 def layer_table(cfg: ModelConfig, rec: Summary, min_visible: int | None = None) -> list[dict]:
     """Per layer reading Global KV: role, its top-k source, queries counted and the mean over them of
     `recall` (what it read), `oracle` (best K-subset), `overlap` (share of the oracle's entries it read),
     `scan` (its own indexer over every visible entry; index sources), `pool` and `inside_pool` (layers
-    that read a candidate pool's selection: Reindex layers and their Reuse layers)."""
+    that read a candidate pool's selection: Reindex layers and their Reuse layers; NaN where a measure does not
+    apply). `per_prompt` holds, per measure that applies, its sum over each prompt's counted queries and their
+    number (`[B]` each), what `by_role` pools."""
     rows = []
     for layer, spec in enumerate(layer_plan(cfg)):
         if spec.role == "swa":
             continue
         total = rec.total[layer]
         where = counted(cfg, layer, rec, min_visible)
-        row = {"layer": layer, "role": spec.role, "ratio": spec.ratio, "topk_from": spec.index_source,
-               "queries": int(np.sum(where)), "recall": _mean(share(rec.read[layer], total), where),
-               "oracle": _mean(share(rec.oracle[layer], total), where), "overlap": _mean(rec.overlap[layer], where),
-               "scan": float("nan"), "pool": float("nan"), "inside_pool": float("nan")}
+        values = {"recall": (share(rec.read[layer], total), where), "oracle": (share(rec.oracle[layer], total), where),
+                  "overlap": (rec.overlap[layer], where)}
         if spec.role in ("full", "reindex"):
-            row["scan"] = _mean(share(rec.scan[layer], total), where)
-        source = row["topk_from"]
+            values["scan"] = (share(rec.scan[layer], total), where)
+        source = spec.index_source
         if source is not None and layer_plan(cfg)[source].uses_candidates:
             pool = rec.pool[layer]
-            row["pool"] = _mean(share(pool, total), where)
-            row["inside_pool"] = _mean(share(rec.read[layer], pool), where & (pool > 0))
+            values["pool"] = (share(pool, total), where)
+            values["inside_pool"] = (share(rec.read[layer], pool), where & (pool > 0))
+        row = {"layer": layer, "role": spec.role, "ratio": spec.ratio, "topk_from": source,
+               "queries": int(np.sum(where))}
+        row.update({key: _mean(*values[key]) if key in values else float("nan") for key in MEASURES})
+        row["per_prompt"] = {key: _per_prompt(*v) for key, v in values.items()}
         rows.append(row)
     return rows
 
 
 def by_role(rows: list[dict]) -> dict[str, dict]:
-    """`layer_table` rows averaged per role (weighted by queries counted)."""
+    """`layer_table` rows pooled per role: each measure the mean over the counted queries of the role's layers
+    (NaN where it applies to none) and, in `intervals`, that mean with its 95 % interval from resampling the
+    prompts (`infer.stats.ratio_interval`; None with one prompt: an interval needs two)."""
     out = {}
     for role in dict.fromkeys(r["role"] for r in rows):
         sel = [r for r in rows if r["role"] == role]
-        w = np.array([r["queries"] for r in sel], float)
-        out[role] = {"layers": [r["layer"] for r in sel], "queries": int(w.sum())}
-        for key in ("recall", "oracle", "overlap", "scan", "pool", "inside_pool"):
-            v = np.array([r[key] for r in sel], float)
-            ok = ~np.isnan(v) & (w > 0)
-            out[role][key] = float(np.average(v[ok], weights=w[ok])) if ok.any() else float("nan")
+        out[role] = {"layers": [r["layer"] for r in sel], "queries": int(sum(r["queries"] for r in sel))}
+        pooled = {}
+        for key in MEASURES:
+            parts = [r["per_prompt"][key] for r in sel if key in r["per_prompt"]]
+            sums = np.sum([p[0] for p in parts], axis=0) if parts else np.zeros(0)
+            counts = np.sum([p[1] for p in parts], axis=0) if parts else np.zeros(0)
+            out[role][key] = float(sums.sum() / counts.sum()) if counts.sum() > 0 else float("nan")
+            if counts.sum() > 0:
+                pooled[key] = (sums, counts)
+        prompts = len(next(iter(sel[0]["per_prompt"].values()))[0])
+        out[role]["intervals"] = None if prompts < 2 else {} if not pooled else {
+            key: iv.as_dict() for key, iv in zip(pooled, stats.ratio_interval(
+                np.stack([v[0] for v in pooled.values()], axis=1), np.stack([v[1] for v in pooled.values()], axis=1)))}
     return out
 
 

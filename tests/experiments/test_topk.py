@@ -107,6 +107,40 @@ def test_layer_table_on_a_hand_case():
     assert row["recall"] == pytest.approx(0.5) and row["oracle"] == pytest.approx(1.0)
     assert row["overlap"] == pytest.approx(0.5)  # the oracle's 4 entries, 2 of them read
     assert row["pool"] == pytest.approx(0.8) and row["inside_pool"] == pytest.approx(0.5 / 0.8)
+    sums, counts = row["per_prompt"]["inside_pool"]  # what by_role pools: one prompt, one counted query
+    np.testing.assert_allclose(sums, [0.5 / 0.8])
+    np.testing.assert_array_equal(counts, [1])
+
+
+def _rows(role_layers: dict[int, str], recall: dict[int, tuple[list, list]]) -> list[dict]:
+    """`layer_table`-shaped rows whose only measure is recall: per layer (Σ recall, counted queries) per prompt."""
+    rows = []
+    for layer, role in role_layers.items():
+        sums, counts = (np.asarray(x, float) for x in recall[layer])
+        rows.append({"layer": layer, "role": role, "queries": int(counts.sum()),
+                     "per_prompt": {"recall": (sums, counts)}})
+    return rows
+
+
+def test_by_role_pools_the_counted_queries_of_its_layers():
+    """Layer 4 reads everything on 4 queries, layer 5 nothing on 4: the role's recall is 4/8 (as weighting the
+    layer means by their queries gives); a measure no layer has is NaN and has no interval."""
+    rows = _rows({4: "full", 5: "full", 6: "reuse"},
+                 {4: ([3.0, 1.0], [3, 1]), 5: ([0.0, 0.0], [1, 3]), 6: ([0.5, 0.5], [1, 1])})
+    roles = topk.by_role(rows)
+    assert roles["full"]["layers"] == [4, 5] and roles["full"]["queries"] == 8
+    assert roles["full"]["recall"] == pytest.approx(0.5) and roles["reuse"]["recall"] == pytest.approx(0.5)
+    assert np.isnan(roles["full"]["pool"]) and set(roles["full"]["intervals"]) == {"recall"}
+
+
+def test_by_role_intervals_resample_prompts_not_queries():
+    """Two prompts of 100 counted queries each, one at recall 0.2 and one at 0.8: the interval over prompts runs
+    from 0.2 to 0.8 (n = 2); resampling the 200 queries would claim 0.5 ± 0.07. One prompt: no interval."""
+    rows = _rows({4: "full"}, {4: ([20.0, 80.0], [100, 100])})
+    interval = topk.by_role(rows)["full"]["intervals"]["recall"]
+    assert interval["n"] == 2 and interval["value"] == pytest.approx(0.5)
+    assert interval["lo"] == pytest.approx(0.2) and interval["hi"] == pytest.approx(0.8)
+    assert topk.by_role(_rows({4: "full"}, {4: ([20.0], [100])}))["full"]["intervals"] is None
 
 
 def test_sweep_reruns_the_model_per_value(mini_params):
