@@ -7,7 +7,9 @@ Every comparison runs the SPEC §8 inference numerics (fp4 cache) on the same pr
 - `kl_steps`, `top1_steps`: the same over the first k generated tokens, both states fed the exact run's greedy
   tokens (teacher forcing, so the error is the state's, not a diverged text's);
 - `work_ratio`: token×layer work of the bounded prefill over the exact one (`prefill`'s aux `work`);
-- `wall_ratio`: median wall time of the bounded prefill over the exact one, warm, measured interleaved.
+- `wall_ratio`: median wall time of the bounded prefill over the exact one, warm, measured interleaved;
+- `intervals`: each error measure with n (prompts) and a 95 % interval over prompts, the independent unit
+  (`prompt_intervals`; None with one prompt).
 
 `layer_savings` splits replay's wall-time saving over the tail layers, and `sweep_windows` lists the windows where
 the exactness of the last position changes (one per tail layer, up to `csa2.replay.exact_window`).
@@ -35,11 +37,23 @@ def _capacity(cfg: ModelConfig, n: int) -> int:
     return round_up(pow2(n), token_granule(cfg))
 
 
-def _kl_top1(p_logits, q_logits) -> tuple[float, float]:
-    """Mean KL(p ‖ q) in nats and argmax agreement over rows of `[B, V]` logits."""
+def _kl_top1(p_logits, q_logits) -> tuple[np.ndarray, np.ndarray]:
+    """KL(p ‖ q) in nats and argmax agreement (0/1) of each row of `[B, V]` logits, `[B]` each."""
     lp, lq = jax.nn.log_softmax(p_logits, -1), jax.nn.log_softmax(q_logits, -1)
     kl = jnp.sum(jnp.exp(lp) * (lp - lq), -1)
-    return float(jnp.mean(kl)), float(jnp.mean(jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)))
+    return np.asarray(kl, np.float64), np.asarray(jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1), np.float64)
+
+
+def prompt_intervals(kl_end, top1_end, kl_steps, top1_steps) -> dict | None:
+    """{measure: interval dict} over the prompts (`[B]` per prompt at the prompt end, `[steps, B]` over the
+    generated tokens): `top1_end` as a share of independent prompts (Wilson), the KLs and the per-prompt share of
+    steps whose argmax agreed by a bootstrap over prompts (`infer.stats`); None with one prompt."""
+    if len(kl_end) < 2:
+        return None
+    return {"kl_end": stats.mean_interval(kl_end).as_dict(digits=8),
+            "top1_end": stats.proportion_interval(int(np.sum(top1_end)), len(top1_end)).as_dict(),
+            "kl_steps": stats.mean_interval(np.mean(kl_steps, axis=0)).as_dict(digits=8),
+            "top1_steps": stats.mean_interval(np.mean(top1_steps, axis=0)).as_dict()}
 
 
 def _timed_prefills(cfg, params, prompts, policies: dict, reps: int):
@@ -120,7 +134,7 @@ def layer_savings(cfg: ModelConfig, params, prompts: np.ndarray, window: int, *,
 def _compare(cfg, params, exact, bounded, steps: int) -> dict:
     """The error measures of `bounded` against `exact`, each a (last logits [B, V], state) pair."""
     (le, se), (lb, sb) = exact, bounded
-    kl_end, top1_end = _kl_top1(le, lb)
+    kl_end, top1_end = _kl_top1(le, lb)  # [B] each
     se, sb = model.fork(se, jnp.arange(se.batch)), model.fork(sb, jnp.arange(sb.batch))  # keep the inputs intact
     kls, top1s, tok = [], [], jnp.argmax(le, -1).astype(jnp.int32)
     for _ in range(steps):
@@ -130,7 +144,9 @@ def _compare(cfg, params, exact, bounded, steps: int) -> dict:
         kls.append(kl)
         top1s.append(top1)
         tok = jnp.argmax(le, -1).astype(jnp.int32)
-    return {"kl_end": kl_end, "top1_end": top1_end, "kl_steps": kls, "top1_steps": top1s}
+    return {"kl_end": float(np.mean(kl_end)), "top1_end": float(np.mean(top1_end)),
+            "kl_steps": [float(np.mean(k)) for k in kls], "top1_steps": [float(np.mean(t)) for t in top1s],
+            "intervals": prompt_intervals(kl_end, top1_end, kls, top1s)}
 
 
 def prefix_hits(cfg: ModelConfig, params, prompts: np.ndarray, hits, policy: ReplayPolicy, *, chunk: int = 256,

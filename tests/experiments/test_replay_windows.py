@@ -22,6 +22,23 @@ def test_sweep_rows_measure_error_work_and_time(mini, mini_params, prompts):
     assert small["kl_end"] > 0 and len(small["top1_steps"]) == 3
     assert small["work_ratio"] == token_layers(mini, ReplayPolicy(window=4), N) / token_layers(mini, EXACT, N)
     assert whole["work_ratio"] == 1 and all(r["wall_ratio"] > 0 for r in rows)
+    for r in rows:  # every error measure with its interval over the 2 prompts
+        assert {k: v["n"] for k, v in r["intervals"].items()} == dict.fromkeys(
+            ("kl_end", "top1_end", "kl_steps", "top1_steps"), 2)
+        assert r["intervals"]["kl_end"]["value"] == pytest.approx(r["kl_end"], abs=1e-8)
+    assert whole["intervals"]["kl_end"]["hi"] == 0 and whole["intervals"]["top1_end"]["lo"] < 1  # 2 of 2: Wilson
+
+
+def test_prompt_intervals_average_each_prompts_steps_then_resample_prompts():
+    """Over the generated tokens (`[steps, B]`) each prompt's mean is one sample: prompt 0 never errs and prompt 1
+    always does, so the interval spans [0, 1]; averaging each step over the prompts instead would claim [0.5, 0.5].
+    One prompt has no interval."""
+    steps = np.array([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
+    out = rw.prompt_intervals(np.array([0.0, 1.0]), np.array([1.0, 0.0]), steps, 1 - steps)
+    assert out["kl_steps"]["n"] == 2 and out["kl_steps"]["value"] == pytest.approx(0.5)
+    assert (out["kl_steps"]["lo"], out["kl_steps"]["hi"]) == (0.0, 1.0)
+    assert out["top1_end"]["value"] == 0.5 and 0 < out["top1_end"]["lo"] < 0.5 < out["top1_end"]["hi"] < 1
+    assert rw.prompt_intervals(np.zeros(1), np.ones(1), np.zeros((3, 1)), np.ones((3, 1))) is None
 
 
 def test_prefix_hit_scenarios_reproduce_the_spec_equalities(mini, mini_params, prompts):
