@@ -148,18 +148,17 @@ def by_role(rows: list[dict]) -> dict[str, dict]:
     for role in dict.fromkeys(r["role"] for r in rows):
         sel = [r for r in rows if r["role"] == role]
         out[role] = {"layers": [r["layer"] for r in sel], "queries": int(sum(r["queries"] for r in sel))}
-        pooled = {}
+        pooled = {}  # measure: (Σ over the role's counted queries, their number), [B] each
         for key in MEASURES:
             parts = [r["per_prompt"][key] for r in sel if key in r["per_prompt"]]
-            sums = np.sum([p[0] for p in parts], axis=0) if parts else np.zeros(0)
-            counts = np.sum([p[1] for p in parts], axis=0) if parts else np.zeros(0)
-            out[role][key] = float(sums.sum() / counts.sum()) if counts.sum() > 0 else float("nan")
-            if counts.sum() > 0:
-                pooled[key] = (sums, counts)
-        prompts = len(next(iter(sel[0]["per_prompt"].values()))[0])
-        out[role]["intervals"] = None if prompts < 2 else {} if not pooled else {
-            key: iv.as_dict() for key, iv in zip(pooled, stats.ratio_interval(
-                np.stack([v[0] for v in pooled.values()], axis=1), np.stack([v[1] for v in pooled.values()], axis=1)))}
+            if parts and sum(np.sum(c) for _, c in parts) > 0:
+                pooled[key] = (sum(x for x, _ in parts), sum(c for _, c in parts))
+            out[role][key] = float(np.sum(pooled[key][0]) / np.sum(pooled[key][1])) if key in pooled else float("nan")
+        prompts = len(sel[0]["per_prompt"]["recall"][1])
+        out[role]["intervals"] = None if prompts < 2 else {}
+        if prompts >= 2 and pooled:
+            num, den = (np.stack([v[i] for v in pooled.values()], axis=1) for i in (0, 1))
+            out[role]["intervals"] = {key: iv.as_dict() for key, iv in zip(pooled, stats.ratio_interval(num, den))}
     return out
 
 

@@ -141,6 +141,8 @@ def test_by_role_intervals_resample_prompts_not_queries():
     assert interval["n"] == 2 and interval["value"] == pytest.approx(0.5)
     assert interval["lo"] == pytest.approx(0.2) and interval["hi"] == pytest.approx(0.8)
     assert topk.by_role(_rows({4: "full"}, {4: ([20.0], [100])}))["full"]["intervals"] is None
+    nothing = topk.by_role(_rows({4: "full"}, {4: ([0.0, 0.0], [0, 0])}))["full"]  # no query counted
+    assert np.isnan(nothing["recall"]) and nothing["intervals"] == {}
 
 
 def test_sweep_reruns_the_model_per_value(mini_params):
