@@ -140,10 +140,12 @@ def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> np.n
     return -np.mean(lp[:, start:], axis=1) / np.log(2)
 
 
-def prompt_intervals(per_prompt: dict[str, np.ndarray]) -> dict[str, dict]:
+def prompt_intervals(per_prompt: dict[str, np.ndarray]) -> dict[str, dict] | None:
     """{measure: interval dict} of one value per prompt `[n]` per measure: `exact` (0/1 per prompt: a key
     retrieved whole) as a share of independent trials (Wilson), every other measure as a mean with a bootstrap
-    over prompts (`infer.stats`)."""
+    over prompts (`infer.stats`); None with one prompt (an interval needs two)."""
+    if len(next(iter(per_prompt.values()))) < 2:
+        return None
     out = {}
     for name, values in per_prompt.items():
         values = np.asarray(values, np.float64)
@@ -159,8 +161,8 @@ def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples:
     and `keys`-needle scores (means over depths; `by_depth` per depth: {depth: {exact, digits, bits, needle}};
     `needle` = `needle_reads`; `<task>_intervals`: {measure: interval} over the `samples · len(depths)` prompts,
     `prompt_intervals`), and bits per byte of `text [B = len(depths), length + digits]` scored from its middle on
-    (`bpb_interval` over its rows). Every run of one (budget, policy) shares one compiled program (the same
-    shapes; the start is traced)."""
+    (`bpb_interval` over its rows; None with one row). Every run of one (budget, policy) shares one compiled
+    program (the same shapes; the start is traced)."""
     passkeys = retrieval_examples(length, depths, samples)
     needles = retrieval_examples(length, depths, samples, keys=keys)
     start = length - 1  # every answer digit is predicted under the policy
@@ -191,7 +193,7 @@ def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples:
             logprobs, _ = run(at, params, text[:, :-1], policy, text_start)
             per_row = bits_per_byte(logprobs, text[:, 1:], text_start)
             row["bpb"] = float(np.mean(per_row))
-            row["bpb_interval"] = stats.mean_interval(per_row).as_dict()
+            row["bpb_interval"] = stats.mean_interval(per_row).as_dict() if len(per_row) > 1 else None
             log(f"budget {budget} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
                                                          if isinstance(v, float)))
             rows.append(row)
@@ -204,11 +206,11 @@ COLUMNS = ("reads", "kept", "recall", "lost", "passkey_needle", "passkey_digits"
 
 def interval_of(row: dict, column: str) -> dict | None:
     """The interval `evaluate` stored for `column` of `row` (`passkey_digits` → `passkey_intervals["digits"]`,
-    `bpb` → `bpb_interval`), or None for a column without one (the budget measures)."""
+    `bpb` → `bpb_interval`), or None for a column without one (the budget measures, a single prompt)."""
     if column == "bpb":
         return row.get("bpb_interval")
     task, _, measure = column.partition("_")
-    return row.get(f"{task}_intervals", {}).get(measure)
+    return (row.get(f"{task}_intervals") or {}).get(measure)
 
 
 def format_table(rows: list[dict], columns=COLUMNS) -> str:

@@ -81,6 +81,7 @@ def test_prompt_intervals_count_prompts_and_keep_a_perfect_score_uncertain():
     assert out["exact"]["n"] == out["digits"]["n"] == 10
     assert out["exact"]["value"] == out["exact"]["hi"] == 1.0 and 0.70 < out["exact"]["lo"] < 0.75
     assert out["digits"]["value"] == pytest.approx(0.5) and 0.2 < out["digits"]["lo"] < 0.5 < out["digits"]["hi"] < 0.8
+    assert kv.prompt_intervals({"exact": np.ones(1), "digits": np.ones(1)}) is None  # one prompt: no interval
 
 
 def test_budget_use_on_a_hand_record():
@@ -114,3 +115,6 @@ def test_format_table_has_a_line_per_row_and_states_each_intervals_n():
     assert len(text) == 2 + len(kv.NAMES)
     assert text[1].split()[2:] == ["0.500", "0.500", "[0.250,", "0.750]", "0.500", "[0.250,", "0.750]"]
     assert text[-1] == "intervals: bpb n = 5 at 95%; passkey n = 10 at 95%"
+    for r in rows:  # one prompt: no intervals, plain figures
+        r.update(passkey_intervals=None, bpb_interval=None)
+    assert kv.format_table(rows, ("passkey_digits", "bpb")).splitlines()[1].split()[2:] == ["0.500", "0.500"]
