@@ -6,8 +6,9 @@ intervals. `python -m experiments.recipe_ablations [--fast]` trains and scores a
   trained from several initializer scales on the same seeds. The released `initializer_range` 0.02 is sized for
   d = 5120; at the `demo` preset's d = 64 a query or an attention output passes two projections of gain ≈ 0.16.
 - `ablate`: arms of `LongCtxRecipe` overrides (induction rows off, the indexer KL dense at every step, a smaller
-  read budget, …), each arm trained on every seed (`longctx.fit` into `OUT/<arm>/seed<k>`, keyed on the whole
-  recipe, resumable) and scored by pass keys at the recipe's lengths.
+  read budget, float training without QAT, …), each arm trained on every seed (`longctx.fit` into
+  `OUT/<arm>/seed<k>`, keyed on the whole recipe, resumable) and scored by pass keys at the recipe's lengths
+  (SPEC §8 numerics, as served), also every `curve_every` steps while it trains (when retrieval emerges).
 - `read_budget`: trained checkpoints scored at other inference read budgets (top-k and candidate blocks: no
   weight depends on them), the same prompts at every budget.
 
@@ -285,8 +286,9 @@ def _fitted(recipe: LongCtxRecipe, out: str | pathlib.Path, arm: str, log,
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything `run` trains and scores: the init-scale control (`task` from each of `stds`), the recipe arms
-    (`arms` on `base`), the inference budgets read by the checkpoints of `arms[budget_arm]`, on every seed of
-    `seeds`, with runs under `out`."""
+    (`arms` on `base`, each also scored every `curve_every` steps while it trains; 0: at the end only), the
+    inference budgets read by the checkpoints of `arms[budget_arm]`, on every seed of `seeds`, with runs under
+    `out`."""
 
     task: HiddenDigit
     stds: tuple[float, ...]
@@ -296,12 +298,16 @@ class Settings:
     budgets: Mapping[str, tuple[int, int]]
     seeds: tuple[int, ...]
     out: str
+    curve_every: int = 0
 
     def __post_init__(self) -> None:
         if self.budget_arm not in self.arms:
             raise ValueError(f"Settings.budget_arm={self.budget_arm!r}: name one of the arms {list(self.arms)}")
         if len(self.seeds) < 2:
             raise ValueError(f"Settings.seeds={self.seeds}: intervals over seeds need at least 2 seeds")
+        if self.curve_every < 0:
+            raise ValueError(f"Settings.curve_every={self.curve_every}: score every that many training steps (> 0) "
+                             "or only at the end (0)")
 
 
 FULL = Settings(
@@ -312,11 +318,13 @@ FULL = Settings(
     base=LongCtxRecipe(stages=((600, 16, 128),), eval_lengths=(128, 256, 512), eval_samples=8),
     arms={"recipe": {}, "no induction rows": {"repeat_share": 0.0},
           "dense indexer KL at every step": {"dense_warmup_steps": 600},
-          "top-k 32, 8 blocks": {"index_topk": 32, "candidate_topk_blocks": 8}},
+          "top-k 32, 8 blocks": {"index_topk": 32, "candidate_topk_blocks": 8},
+          "float training (no QAT)": {"qat": False}},
     budget_arm="top-k 32, 8 blocks",
     budgets={"top-k 32, 8 blocks": (32, 8), "64, 16": (64, 16), "128, 32": (128, 32), "256, 64": (256, 64)},
     seeds=(0, 1, 2),
-    out="runs/recipe-ablations")
+    out="runs/recipe-ablations",
+    curve_every=150)
 
 # CI sizes (`--fast`, CSA2_FAST=1; tests/experiments/test_recipe_ablations.py): the arms share one model
 # config and the recipe's training shapes are train.longctx.FAST's, so within one test run they load the programs
@@ -341,7 +349,7 @@ def run(s: Settings, *, log: Callable[[str], None] = lambda _: None) -> dict:
     """{"init_scale", "ablate", "read_budget"}: the three experiments of `s` (runs trained into `s.out`, or
     restored from it)."""
     return {"init_scale": init_scale(s.task, s.stds, s.seeds, pathlib.Path(s.out) / "init-scale", log=log),
-            "ablate": ablate(s.base, s.arms, s.seeds, s.out, log=log),
+            "ablate": ablate(s.base, s.arms, s.seeds, s.out, curve_every=s.curve_every, log=log),
             "read_budget": budget_sweep(s.base, s.arms, s.budget_arm, s.seeds, s.out, s.budgets, log=log)}
 
 

@@ -128,6 +128,7 @@ def test_the_command_writes_what_it_measured(done, capsys):
     (lambda: ra.HiddenDigit(steps=0), "HiddenDigit.steps=0"),
     (lambda: dataclasses.replace(S, budget_arm="other"), "Settings.budget_arm='other'"),
     (lambda: dataclasses.replace(S, seeds=(0,)), r"Settings.seeds=\(0,\)"),
+    (lambda: dataclasses.replace(S, curve_every=-1), "Settings.curve_every=-1"),
 ])
 def test_bad_settings_are_refused_by_name(make, match):
     with pytest.raises(ValueError, match=match):
