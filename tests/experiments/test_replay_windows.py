@@ -39,6 +39,7 @@ def test_prompt_intervals_average_each_prompts_steps_then_resample_prompts():
     assert (out["kl_steps"]["lo"], out["kl_steps"]["hi"]) == (0.0, 1.0)
     assert out["top1_end"]["value"] == 0.5 and 0 < out["top1_end"]["lo"] < 0.5 < out["top1_end"]["hi"] < 1
     assert rw.prompt_intervals(np.zeros(1), np.ones(1), np.zeros((3, 1)), np.ones((3, 1))) is None
+    assert set(rw.prompt_intervals(np.zeros(2), np.ones(2), [], [])) == {"kl_end", "top1_end"}  # no steps taken
 
 
 def test_prefix_hit_scenarios_reproduce_the_spec_equalities(mini, mini_params, prompts):
