@@ -216,7 +216,8 @@ def interval_of(row: dict, column: str) -> dict | None:
 def format_table(rows: list[dict], columns=COLUMNS) -> str:
     """The table as text, one line per (budget, policy); a column with an interval shows `value [lo, hi]`, and a
     last line states each such column's n (prompts, or rows of text for `bpb`) and level."""
-    widths = {c: 22 if interval_of(rows[0], c) else 16 for c in columns}
+    shown = {c: iv for c in columns if (iv := interval_of(rows[0], c))}  # the columns that carry an interval
+    widths = {c: 22 if c in shown else 16 for c in columns}
 
     def cell(r, c):
         iv = interval_of(r, c)
@@ -225,8 +226,7 @@ def format_table(rows: list[dict], columns=COLUMNS) -> str:
 
     lines = [f"{'budget':>6} {'policy':<13}" + "".join(f"{c:>{widths[c]}}" for c in columns)]
     lines += [f"{r['budget']:>6} {r['policy']:<13}" + "".join(cell(r, c) for c in columns) for r in rows]
-    notes = sorted({(c.partition("_")[0] if c != "bpb" else "bpb", interval_of(rows[0], c)["n"],
-                     interval_of(rows[0], c)["level"]) for c in columns if interval_of(rows[0], c)})
+    notes = sorted({(c.partition("_")[0], iv["n"], iv["level"]) for c, iv in shown.items()})  # "bpb" stays "bpb"
     if notes:
         lines.append("intervals: " + "; ".join(f"{name} n = {n} at {level:.0%}" for name, n, level in notes))
     return "\n".join(lines)

@@ -60,7 +60,6 @@ def test_repeated_ids_weigh_as_often_as_gathered(monkeypatch):
     assert not np.allclose(mutant, want, **TOL)
 
 
-
 @pytest.mark.parametrize("args", [
     _repeated_ids_case(22, packed_main=False, packed_win=False),
     attention_case(23, **ATTENTION_CASES["decode"], packed_win=False)[0],  # packed main: its bits get float0
