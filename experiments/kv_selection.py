@@ -16,7 +16,7 @@ last prompt position), by needle depth: whether the answer steps read the needle
 middle on.
 
 Each quality figure comes with its n and a 95 % interval over prompts, the independent unit (the digits of one
-key are not: `prompt_intervals`): keys retrieved whole as a share of independent trials (Wilson), the other
+key are not: `infer.stats.prompt_intervals`): keys retrieved whole as a share of independent trials (Wilson), the other
 means by a bootstrap over prompts (`infer.stats`).
 """
 
@@ -140,29 +140,14 @@ def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> np.n
     return -np.mean(lp[:, start:], axis=1) / np.log(2)
 
 
-def prompt_intervals(per_prompt: dict[str, np.ndarray]) -> dict[str, dict] | None:
-    """{measure: interval dict} of one value per prompt `[n]` per measure: `exact` (0/1 per prompt: a key
-    retrieved whole) as a share of independent trials (Wilson), every other measure as a mean with a bootstrap
-    over prompts (`infer.stats`); None with one prompt (an interval needs two)."""
-    if len(next(iter(per_prompt.values()))) < 2:
-        return None
-    out = {}
-    for name, values in per_prompt.items():
-        values = np.asarray(values, np.float64)
-        interval = (stats.proportion_interval(int(values.sum()), len(values)) if name == "exact"
-                    else stats.mean_interval(values))
-        out[name] = interval.as_dict()
-    return out
-
-
 def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples: int, text: np.ndarray,
              keys: int = 2, names=NAMES, log=lambda _: None) -> list[dict]:
     """The baseline table: one row per (budget, policy) with `budget_use` on the pass-key prompts, pass-key
     and `keys`-needle scores (means over depths; `by_depth` per depth: {depth: {exact, digits, bits, needle}};
     `needle` = `needle_reads`; `<task>_intervals`: {measure: interval} over the `samples · len(depths)` prompts,
-    `prompt_intervals`), and bits per byte of `text [B = len(depths), length + digits]` scored from its middle on
-    (`bpb_interval` over its rows; None with one row). Every run of one (budget, policy) shares one compiled
-    program (the same shapes; the start is traced)."""
+    `infer.stats.prompt_intervals`), and bits per byte of `text [B = len(depths), length + digits]` scored from
+    its middle on (`bpb_interval` over its rows; None with one row). Every run of one (budget, policy) shares one
+    compiled program (the same shapes; the start is traced)."""
     passkeys = retrieval_examples(length, depths, samples)
     needles = retrieval_examples(length, depths, samples, keys=keys)
     start = length - 1  # every answer digit is predicted under the policy
@@ -185,15 +170,15 @@ def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples:
                         uses.append(budget_use(at, rec, policy, start))
                 merged = {k: np.mean([s[k] for s in scores], axis=0) for k in scores[0]}  # [depths]
                 row.update({f"{task}_{k}": float(np.mean(v)) for k, v in merged.items()})
-                row[f"{task}_intervals"] = prompt_intervals({k: np.concatenate([s[k] for s in scores])
-                                                             for k in scores[0]})
+                row[f"{task}_intervals"] = stats.prompt_intervals(
+                    {k: np.concatenate([s[k] for s in scores]) for k in scores[0]}, shares=("exact",))
                 row[f"{task}_by_depth"] = {float(d): {k: float(v[i]) for k, v in merged.items()}
                                            for i, d in enumerate(depths)}
             row.update({k: float(np.mean([u[k] for u in uses])) for k in uses[0]})
             logprobs, _ = run(at, params, text[:, :-1], policy, text_start)
             per_row = bits_per_byte(logprobs, text[:, 1:], text_start)
             row["bpb"] = float(np.mean(per_row))
-            row["bpb_interval"] = stats.mean_interval(per_row).as_dict() if len(per_row) > 1 else None
+            row["bpb_interval"] = (stats.prompt_intervals({"bpb": per_row}) or {}).get("bpb")
             log(f"budget {budget} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
                                                          if isinstance(v, float)))
             rows.append(row)

@@ -47,16 +47,13 @@ def _kl_top1(p_logits, q_logits) -> tuple[np.ndarray, np.ndarray]:
 def prompt_intervals(kl_end, top1_end, kl_steps, top1_steps) -> dict | None:
     """{measure: interval dict} over the prompts (`[B]` per prompt at the prompt end, `[steps, B]` over the
     generated tokens): `top1_end` as a share of independent prompts (Wilson), the KLs and the per-prompt share of
-    steps whose argmax agreed by a bootstrap over prompts (`infer.stats`); None with one prompt, and no step
+    steps whose argmax agreed by a bootstrap over prompts (`infer.stats.prompt_intervals`); None with one
+    prompt, and no step
     measures without steps."""
-    if len(kl_end) < 2:
-        return None
-    out = {"kl_end": stats.mean_interval(kl_end).as_dict(digits=8),
-           "top1_end": stats.proportion_interval(int(np.sum(top1_end)), len(top1_end)).as_dict()}
+    per_prompt = {"kl_end": kl_end, "top1_end": top1_end}
     if len(kl_steps):
-        out["kl_steps"] = stats.mean_interval(np.mean(kl_steps, axis=0)).as_dict(digits=8)
-        out["top1_steps"] = stats.mean_interval(np.mean(top1_steps, axis=0)).as_dict()
-    return out
+        per_prompt |= {"kl_steps": np.mean(kl_steps, axis=0), "top1_steps": np.mean(top1_steps, axis=0)}
+    return stats.prompt_intervals(per_prompt, shares=("top1_end",), digits=8)  # KLs of 1e-6 need the digits
 
 
 def _timed_prefills(cfg, params, prompts, policies: dict, reps: int):

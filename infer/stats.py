@@ -103,3 +103,15 @@ def seed_interval(values, *, level: float = LEVEL) -> Interval:
         raise ValueError(f"level={level!r}: must be in (0, 1), e.g. 0.95")
     half = student_t.ppf((1 + level) / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
     return Interval(float(v.mean()), float(v.mean() - half), float(v.mean() + half), len(v), level)
+
+
+def prompt_intervals(per_prompt, *, shares=(), digits: int = 3) -> dict[str, dict] | None:
+    """{measure: `Interval.as_dict(digits)`} of one value per prompt `[n]` for each measure of `per_prompt`: the
+    measures named in `shares` (0/1 per prompt, e.g. a key retrieved whole) as a share of independent prompts
+    (`proportion_interval`, Wilson), every other one as a mean with a bootstrap over prompts (`mean_interval`);
+    None with one prompt (an interval needs two)."""
+    values = {name: np.asarray(v, np.float64) for name, v in per_prompt.items()}
+    if len(next(iter(values.values()))) < 2:
+        return None
+    return {name: (proportion_interval(int(v.sum()), len(v)) if name in shares else mean_interval(v)).as_dict(digits)
+            for name, v in values.items()}

@@ -74,16 +74,6 @@ def test_answer_scores_and_bits_per_byte():
                                [-np.log2(0.6), -np.log2(0.2)])  # one figure per row
 
 
-def test_prompt_intervals_count_prompts_and_keep_a_perfect_score_uncertain():
-    """n is the number of prompts; keys retrieved by every prompt are a share of independent trials (Wilson: 10 of
-    10 gives [0.72, 1]), not a bootstrap, which would claim [1, 1]."""
-    out = kv.prompt_intervals({"exact": np.ones(10), "digits": np.r_[np.full(5, 0.2), np.full(5, 0.8)]})
-    assert out["exact"]["n"] == out["digits"]["n"] == 10
-    assert out["exact"]["value"] == out["exact"]["hi"] == 1.0 and 0.70 < out["exact"]["lo"] < 0.75
-    assert out["digits"]["value"] == pytest.approx(0.5) and 0.2 < out["digits"]["lo"] < 0.5 < out["digits"]["hi"] < 0.8
-    assert kv.prompt_intervals({"exact": np.ones(1), "digits": np.ones(1)}) is None  # one prompt: no interval
-
-
 def test_budget_use_on_a_hand_record():
     """32 visible entries (ratio 1) at the counted queries, budget 16: an evicting policy reading 16 entries
     holding 0.6 of the mass keeps 16/visible and has lost 0.4; a keeping one keeps all and loses nothing."""

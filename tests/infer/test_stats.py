@@ -46,6 +46,18 @@ def test_proportion_interval_is_wilsons():
     assert stats.proportion_interval(36, 36).lo == pytest.approx(36 / (36 + 1.959964**2), abs=1e-6)
 
 
+def test_prompt_intervals_count_prompts_and_keep_a_perfect_score_uncertain():
+    """n is the number of prompts; keys retrieved by every prompt are a share of independent trials (Wilson: 10 of
+    10 gives [0.72, 1]), not a bootstrap, which would claim [1, 1]."""
+    out = stats.prompt_intervals({"exact": np.ones(10), "digits": np.r_[np.full(5, 0.2), np.full(5, 0.8)]},
+                                 shares=("exact",))
+    assert out["exact"]["n"] == out["digits"]["n"] == 10
+    assert out["exact"]["value"] == out["exact"]["hi"] == 1.0 and 0.70 < out["exact"]["lo"] < 0.75
+    assert out["digits"]["value"] == pytest.approx(0.5) and 0.2 < out["digits"]["lo"] < 0.5 < out["digits"]["hi"] < 0.8
+    one_prompt = stats.prompt_intervals({"exact": np.ones(1), "digits": np.ones(1)}, shares=("exact",))
+    assert one_prompt is None  # one prompt: no interval
+
+
 def test_seed_interval_is_students_t():
     """Three runs 1, 2, 6: mean 3, s = √7, t(2) = 4.303 at 95 %: 3 ± 4.303·√7/√3 = [−3.572, 9.572]."""
     got = stats.seed_interval([1.0, 2.0, 6.0])
