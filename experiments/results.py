@@ -13,6 +13,8 @@ import json
 import math
 import pathlib
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 INTERVAL_KEYS = {"value", "lo", "hi", "n", "level"}
 
@@ -23,13 +25,21 @@ def path(name: str, *, fast: bool) -> pathlib.Path:
 
 
 def save(name: str, results: dict, *, fast: bool) -> pathlib.Path:
-    """Check `results`, write them as the results of notebook `name` (with `"fast": fast`) and return the path."""
-    results = {"notebook": name, "fast": fast, **results}
+    """Check `results`, write them as the results of notebook `name` (with `"fast": fast`) and return the path.
+    NumPy scalars (a measured `np.float32`, a count as `np.int64`) are written as the Python numbers they hold."""
+    results = json.loads(json.dumps({"notebook": name, "fast": fast, **results}, default=_number))
     check(results)
     out = path(name, fast=fast)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     return out
+
+
+def _number(value):
+    if isinstance(value, np.generic) and value.ndim == 0:
+        return value.item()
+    raise TypeError(f"results: {value!r} ({type(value).__name__}) is not a JSON value; store numbers, strings, "
+                    "lists and dicts")
 
 
 def load(name: str, *, fast: bool) -> dict:

@@ -143,3 +143,15 @@ def test_results_check_names_a_malformed_interval():
                        ({"a": [{**good, "hi": float("nan")}]}, r"results\[a/0\].*finite")):
         with pytest.raises(ValueError, match=match):
             results.check(bad)
+
+
+def test_results_are_saved_as_plain_numbers(monkeypatch, tmp_path):
+    """A measured np.float32 and a count as np.int64 are written as the numbers they hold; anything else that is
+    not JSON is refused."""
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    interval = {**stats.proportion_interval(3, 10).as_dict(), "value": np.float32(0.25), "n": np.int64(10)}
+    results.save("x", {"a": interval, "ratio": np.float32(1.5)}, fast=True)
+    got = results.load("x", fast=True)
+    assert got["a"]["value"] == 0.25 and got["a"]["n"] == 10 and got["ratio"] == 1.5
+    with pytest.raises(TypeError, match="ndarray"):
+        results.save("x", {"a": interval, "b": np.zeros(2)}, fast=True)
