@@ -94,13 +94,13 @@ def sweep_windows(cfg: ModelConfig, split_layer: int | None = None, *, most: int
 def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, steps: int = 8,
           reps: int = 3) -> list[dict]:
     """`replay_error` for every (R, split layer) pair, one exact run shared: rows of the error-vs-R table
-    (`split=None`: the first decoder layer). `reps=0` measures the error and the work only (no `wall_ratio`)."""
+    (`split=None`: the first decoder layer)."""
     policies = {"exact": EXACT}
     for split in splits:
         for window in windows:
             policies[(window, split)] = ReplayPolicy(window=window, split_layer=split)
     results, times = _timed_prefills(cfg, params, prompts, policies, reps)
-    wall = {name: statistics.median(t) for name, t in times.items() if t}
+    wall = {name: statistics.median(t) for name, t in times.items()}
     (le, se, we) = results["exact"]
     rows = []
     for key, policy in policies.items():
@@ -109,23 +109,18 @@ def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, ste
         lb, sb, wb = results[key]
         rows.append({"window": policy.window, "split": policy.split(cfg),
                      **_compare(cfg, params, (le, se), (lb, sb), steps),
-                     "work_ratio": int(wb["work"]) / int(we["work"])}
-                    | ({"wall_ratio": wall[key] / wall["exact"]} if reps else {}))
+                     "work_ratio": int(wb["work"]) / int(we["work"]), "wall_ratio": wall[key] / wall["exact"]})
     return rows
 
 
-def layer_savings(cfg: ModelConfig, params, prompts: np.ndarray, window: int, *, reps: int = 5,
-                  first: int | None = None) -> dict:
+def layer_savings(cfg: ModelConfig, params, prompts: np.ndarray, window: int, *, reps: int = 5) -> dict:
     """Where bounded replay saves wall time, layer by layer: the prefill of `prompts [B, N]` with replay window
-    `window` split at each tail layer s from `first` on (default: the first decoder layer; layers before s run
-    every row, s and later the tail), and exact. Moving the split from s to s + 1 puts layer s back on every row,
-    so the time it adds is what replay saves on layer s (exact counts as the split after the last layer).
-    {"layers": [{"layer": s, "saved_s": mean of the paired per-round differences with its bootstrap interval
-    (n = reps)}], "exact_s", "replay_s": median wall times (split at `first`), "saved_s": the exact − `first`
-    interval, the sum of the layers' means}."""
-    policy = ReplayPolicy(window=window, split_layer=first)
-    policy.check(cfg)  # a first split outside the decoder is refused by name
-    first = policy.split(cfg)
+    `window` split at each tail layer s (layers before s run every row, s and later the tail), and exact.
+    Moving the split from s to s + 1 puts layer s back on every row, so the time it adds is what replay saves on
+    layer s (exact counts as the split after the last layer). {"layers": [{"layer": s, "saved_s": mean of the
+    paired per-round differences with its bootstrap interval (n = reps)}], "exact_s", "replay_s": median wall
+    times, "saved_s": the exact − first-split interval, the sum of the layers' means}."""
+    first = ReplayPolicy(window=window).split(cfg)
     splits = list(range(first, cfg.num_hidden_layers))
     policies = {s: ReplayPolicy(window=window, split_layer=s) for s in splits} | {"exact": EXACT}
     _, times = _timed_prefills(cfg, params, prompts, policies, reps)
