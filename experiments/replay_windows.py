@@ -11,8 +11,9 @@ Every comparison runs the SPEC §8 inference numerics (fp4 cache) on the same pr
 - `intervals`: each error measure with n (prompts) and a 95 % interval over prompts, the independent unit
   (`prompt_intervals`; None with one prompt).
 
-`layer_savings` splits replay's wall-time saving over the tail layers, and `sweep_windows` lists the windows where
-the exactness of the last position changes (one per tail layer, up to `csa2.replay.exact_window`).
+`layer_savings` splits replay's wall-time saving over the tail layers, `sweep_windows` lists the windows where
+the exactness of the last position changes (one per tail layer, up to `csa2.replay.exact_window`), and
+`format_table` prints rows with their intervals.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from csa2 import model
 from csa2.config import ModelConfig
 from csa2.replay import EXACT, ReplayPolicy, exact_window
 from csa2.state import init_state, token_granule
-from infer import generate, prefix_cache, stats
+from infer import prefix_cache, stats
 from infer.values import pow2, round_up
-from train.data import passkey_example
 
 
 def _capacity(cfg: ModelConfig, n: int) -> int:
@@ -94,13 +94,13 @@ def sweep_windows(cfg: ModelConfig, split_layer: int | None = None, *, most: int
 def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, steps: int = 8,
           reps: int = 3) -> list[dict]:
     """`replay_error` for every (R, split layer) pair, one exact run shared: rows of the error-vs-R table
-    (`split=None`: the first decoder layer)."""
+    (`split=None`: the first decoder layer). `reps=0` measures the error and the work only (no `wall_ratio`)."""
     policies = {"exact": EXACT}
     for split in splits:
         for window in windows:
             policies[(window, split)] = ReplayPolicy(window=window, split_layer=split)
     results, times = _timed_prefills(cfg, params, prompts, policies, reps)
-    wall = {name: statistics.median(t) for name, t in times.items()}
+    wall = {name: statistics.median(t) for name, t in times.items() if t}
     (le, se, we) = results["exact"]
     rows = []
     for key, policy in policies.items():
@@ -109,18 +109,23 @@ def sweep(cfg: ModelConfig, params, prompts: np.ndarray, windows, splits, *, ste
         lb, sb, wb = results[key]
         rows.append({"window": policy.window, "split": policy.split(cfg),
                      **_compare(cfg, params, (le, se), (lb, sb), steps),
-                     "work_ratio": int(wb["work"]) / int(we["work"]), "wall_ratio": wall[key] / wall["exact"]})
+                     "work_ratio": int(wb["work"]) / int(we["work"])}
+                    | ({"wall_ratio": wall[key] / wall["exact"]} if reps else {}))
     return rows
 
 
-def layer_savings(cfg: ModelConfig, params, prompts: np.ndarray, window: int, *, reps: int = 5) -> dict:
+def layer_savings(cfg: ModelConfig, params, prompts: np.ndarray, window: int, *, reps: int = 5,
+                  first: int | None = None) -> dict:
     """Where bounded replay saves wall time, layer by layer: the prefill of `prompts [B, N]` with replay window
-    `window` split at each tail layer s (layers before s run every row, s and later the tail), and exact.
-    Moving the split from s to s + 1 puts layer s back on every row, so the time it adds is what replay saves on
-    layer s (exact counts as the split after the last layer). {"layers": [{"layer": s, "saved_s": mean of the
-    paired per-round differences with its bootstrap interval (n = reps)}], "exact_s", "replay_s": median wall
-    times, "saved_s": the exact − first-split interval, the sum of the layers' means}."""
-    first = ReplayPolicy(window=window).split(cfg)
+    `window` split at each tail layer s from `first` on (default: the first decoder layer; layers before s run
+    every row, s and later the tail), and exact. Moving the split from s to s + 1 puts layer s back on every row,
+    so the time it adds is what replay saves on layer s (exact counts as the split after the last layer).
+    {"layers": [{"layer": s, "saved_s": mean of the paired per-round differences with its bootstrap interval
+    (n = reps)}], "exact_s", "replay_s": median wall times (split at `first`), "saved_s": the exact − `first`
+    interval, the sum of the layers' means}."""
+    policy = ReplayPolicy(window=window, split_layer=first)
+    policy.check(cfg)  # a first split outside the decoder is refused by name
+    first = policy.split(cfg)
     splits = list(range(first, cfg.num_hidden_layers))
     policies = {s: ReplayPolicy(window=window, split_layer=s) for s in splits} | {"exact": EXACT}
     _, times = _timed_prefills(cfg, params, prompts, policies, reps)
@@ -193,13 +198,29 @@ def _serve(cfg, params, prompts, hit: int, replay, cap: int, chunk: int, snapsho
     return logits, state, info["work"], time.perf_counter() - t0
 
 
-def passkey_by_depth(cfg: ModelConfig, params, policy: ReplayPolicy, *, length: int, depths, samples: int,
-                     digits: int = 5, seed: int = 0) -> dict[float, float]:
-    """Pass-key accuracy by needle depth with the prompt prefilled under `policy` and the answer decoded greedily
-    (`infer.generate`): {depth: share of the `samples` keys whose every digit came out right}."""
-    rng = np.random.default_rng(seed)
-    examples = [(d, *passkey_example(rng, length, d, digits=digits)) for d in depths for _ in range(samples)]
-    out = generate.generate(cfg, params, [p for _, p, _ in examples], max_new_tokens=digits, eos_id=None,
-                            replay=policy)
-    right = [np.array_equal(out.tokens[i, :digits], answer) for i, (_, _, answer) in enumerate(examples)]
-    return {float(d): float(np.mean([r for (dd, _, _), r in zip(examples, right) if dd == d])) for d in depths}
+MEASURES = ("kl_end", "top1_end", "kl_steps", "top1_steps")
+
+
+def format_table(rows: list[dict]) -> str:
+    """`sweep` or `prefix_hits` rows as text, one line each: every error measure as `value [lo, hi]` (a KL in
+    nats, top-1 as a share; the plain mean where a row has no interval), then the cost columns the rows hold, and
+    a last line stating n."""
+    key = ("hit", "scenario") if "scenario" in rows[0] else ("split", "window")
+    costs = [c for c in ("work_ratio", "wall_ratio", "work", "wall_s") if c in rows[0]]
+    width = {m: 28 if m.startswith("kl") else 19 for m in MEASURES}
+
+    def cell(r, m):
+        form = ".1e" if m.startswith("kl") else ".2f"
+        iv = (r["intervals"] or {}).get(m)
+        text = (f"{np.mean(r[m]):{form}}" if iv is None
+                else f"{iv['value']:{form}} [{iv['lo']:{form}}, {iv['hi']:{form}}]")
+        return f" {text:>{width[m] - 1}}"
+
+    lines = [f"{key[0]:>5} {key[1]:<19}" + "".join(f"{m:>{width[m]}}" for m in MEASURES)
+             + "".join(f"{c:>11}" for c in costs)]
+    lines += [f"{r[key[0]]:>5} {r[key[1]]!s:<19}" + "".join(cell(r, m) for m in MEASURES)
+              + "".join(f"{r[c]:>11.4g}" for c in costs) for r in rows]
+    n = sorted({iv["n"] for r in rows for iv in (r["intervals"] or {}).values()})
+    if n:
+        lines.append(f"intervals: 95 % over prompts, n = {', '.join(map(str, n))}")
+    return "\n".join(lines)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from csa2.replay import EXACT, ReplayPolicy, exact_window, token_layers
-from experiments import replay_windows as rw
+from experiments import replay_windows as rw, results
 
 N = 24
 
@@ -27,6 +27,13 @@ def test_sweep_rows_measure_error_work_and_time(mini, mini_params, prompts):
             ("kl_end", "top1_end", "kl_steps", "top1_steps"), 2)
         assert r["intervals"]["kl_end"]["value"] == pytest.approx(r["kl_end"], abs=1e-8)
     assert whole["intervals"]["kl_end"]["hi"] == 0 and whole["intervals"]["top1_end"]["lo"] < 1  # 2 of 2: Wilson
+    header, *lines, note = rw.format_table(rows).splitlines()
+    assert header.split()[:2] == ["split", "window"] and len(lines) == 2 and note.endswith("n = 2")
+    iv = small["intervals"]["top1_steps"]
+    assert f"{iv['value']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}]" in lines[0]
+    assert f"{small['work_ratio']:.4g}" in lines[0]
+    untimed = rw.sweep(mini, mini_params, prompts, windows=[4], splits=[None], steps=0, reps=0)
+    assert "wall_ratio" not in untimed[0] and untimed[0]["kl_end"] == small["kl_end"]
 
 
 def test_prompt_intervals_average_each_prompts_steps_then_resample_prompts():
@@ -75,3 +82,30 @@ def test_layer_savings_split_the_whole_saving_over_the_tail_layers(mini, mini_pa
     # Telescoping: the per-layer means add up to the mean whole saving (exact − split at the first tail layer).
     assert sum(r["saved_s"]["value"] for r in got["layers"]) == pytest.approx(got["saved_s"]["value"], abs=1e-5)
     assert got["exact_s"] > 0 and got["replay_s"] > 0
+    last = mini.num_hidden_layers - 1
+    top = rw.layer_savings(mini, mini_params, prompts, window=4, reps=2, first=last)  # the top layer alone
+    assert [r["layer"] for r in top["layers"]] == [last] and top["saved_s"]["n"] == 2
+    with pytest.raises(ValueError, match="split_layer=0"):
+        rw.layer_savings(mini, mini_params, prompts, window=4, first=0)
+
+
+
+def test_the_committed_results_hold_the_bound():
+    """notebooks/replay_windows.json, the notebook's full run on the shipped 40-layer model: from R = exact_window
+    on, the bounded prefill gives the exact next-token distribution (float rounding) on every prompt, at the prompt
+    end and over the next tokens; the figures stand on at least 64 prompts each, and the per-layer saving covers
+    the 20 decoder layers."""
+    got = results.load("replay_windows", fast=False)
+    assert not got["fast"] and got["model"]["layers"] == 40 and got["model"]["name"] == "tiny-v41"
+    bound = got["model"]["exact_window"]
+    for part in ("text", "passkey"):
+        rows = got[part]["rows"]
+        assert got[part]["prompts"] >= 64 and all(iv["n"] == got[part]["prompts"]
+                                                  for r in rows for iv in r["intervals"].values())
+        exact = [r for r in rows if r["window"] >= bound]
+        assert len(exact) == 2, part  # the bound and 20·W
+        for r in exact:
+            assert max(abs(r["kl_end"]), *map(abs, r["kl_steps"])) < 1e-6, (part, r["window"])
+            assert r["top1_end"] == 1 and set(r["top1_steps"]) == {1}, (part, r["window"])
+    assert [r["layer"] for r in got["layer_savings"]["layers"]] == list(range(20, 40))
+    assert got["release_8k"]["work_saving"] == pytest.approx(0.4676, abs=5e-5)
