@@ -436,3 +436,27 @@ def compare(cfg: ModelConfig, params, prompts: Sequence, sps: SpsTable, decode_s
         row["predicted_tokens_per_s"] = (new - len(prompts)) / predicted
         out[name] = row
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The notebook's results as JSON (experiments.results)
+
+
+def _stored(iv: stats.Interval) -> dict | None:
+    """An interval as `experiments.results` stores it; None where there is no estimate (a position never reached)."""
+    return None if np.isnan(iv.value) else iv.as_dict()
+
+
+def acceptance_results(runs: dict) -> dict:
+    """{key: {"n", "tau", "per_position"}} of `Decoded` runs keyed by γ, temperature or context length: τ and each
+    position's acceptance as stored intervals (None for a position never reached)."""
+    return {str(k): {"n": d.n, "tau": _stored(d.acceptance_length()),
+                     "per_position": [_stored(x) for x in d.per_position()]} for k, d in runs.items()}
+
+
+def compare_results(compared: dict[int, dict[str, dict]]) -> dict:
+    """`compare` rows by batch size as JSON values: the timings, τ as a stored interval, the widths run."""
+    keep = ("prompts", "wall_s", "walls_s", "tokens_per_s", "predicted_tokens_per_s", "cost_ratio", "widths", "steps")
+    return {str(b): {name: {k: ({str(w): c for w, c in r[k].items()} if k == "widths" else r[k])
+                            for k in keep if k in r} | ({"tau": r["tau"].as_dict()} if "tau" in r else {})
+                     for name, r in rows.items()} for b, rows in compared.items()}

@@ -5,13 +5,18 @@ The drafter of `mini_params` is random; as in tests/infer/test_speculative.py it
 previous token for the tokens the greedy target emits, so accepted runs, rejections and bonus tokens all occur.
 """
 
+import dataclasses
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from csa2.checkpoints import bundled
 from csa2.presets import preset
 from csa2.tokenizer import encode
-from experiments import dspark as ds
+from experiments import dspark as ds, results
+from infer import stats
 from infer.generate import Sampling
 from infer.schedule import SpsTable
 from infer.speculative import speculative_generate
@@ -105,6 +110,15 @@ def test_per_gamma_results(params, prompts):
     # Greedy output is the target's whatever γ; γ = 1 accepts at most one draft per step.
     np.testing.assert_array_equal(res[1].tokens, res[GAMMA].tokens)
     assert (res[1].accepted <= res[1].row_steps).all() and res[GAMMA].accepted.sum() > res[1].accepted.sum()
+    # As the notebook saves them: intervals as stored dicts, a position never reached as None (no estimate).
+    unreached = dataclasses.replace(res[GAMMA], position_tries=res[GAMMA].position_tries * [1, 1, 0],
+                                    position_accepts=res[GAMMA].position_accepts * [1, 1, 0])
+    stored = ds.acceptance_results({1: res[1], GAMMA: res[GAMMA], "cut": unreached})
+    assert list(stored) == ["1", str(GAMMA), "cut"] and stored["1"]["n"] == 4
+    assert stored[str(GAMMA)]["tau"] == res[GAMMA].acceptance_length().as_dict()
+    assert stored[str(GAMMA)]["per_position"] == [x.as_dict() for x in res[GAMMA].per_position()]
+    assert stored["cut"]["per_position"][2] is None and stored["cut"]["per_position"][1] is not None
+    results.check({"gamma": stored})
 
 
 def test_ece_by_hand():
@@ -154,6 +168,20 @@ def test_cost_ratio_and_bad_shapes(prompts):
         ds.decode_batch(MINI, None, prompts, max_new_tokens=NEW, gamma=0)
 
 
+def test_compare_rows_are_stored_as_json_values():
+    tau = stats.Interval(2.5, 2.0, 3.0, 8, 0.95)
+    rows = {1: {"plain": {"batch": 1, "prompts": 8, "wall_s": 2.0, "walls_s": [2.0], "tokens_per_s": 96.0,
+                          "predicted_tokens_per_s": 100.0},
+                "scheduled": {"batch": 1, "prompts": 8, "wall_s": 1.0, "walls_s": [1.0], "tokens_per_s": 192.0,
+                              "predicted_tokens_per_s": 180.0, "cost_ratio": 1.4, "tau": tau, "widths": {2: 3, 6: 20},
+                              "steps": 23, "position_accepts": np.ones((8, 5)), "position_tries": np.ones((8, 5))}}}
+    got = ds.compare_results(rows)
+    assert got["1"]["plain"] == {k: v for k, v in rows[1]["plain"].items() if k != "batch"}
+    assert got["1"]["scheduled"]["tau"] == tau.as_dict() and got["1"]["scheduled"]["widths"] == {"2": 3, "6": 20}
+    assert "position_tries" not in got["1"]["scheduled"]
+    assert json.loads(json.dumps(got)) == got
+
+
 def test_context_sets_share_the_compiled_programs(params, prompts):
     """Prompt sets of different lengths run at the bucket and capacity of the longest: no new program."""
     short = [encode(t) for t in ("ab", "cdef", "g")]
@@ -162,3 +190,18 @@ def test_context_sets_share_the_compiled_programs(params, prompts):
     assert (ds._start._cache_size(), ds._step._cache_size()) == before
     assert {(d.meta["bucket"], d.meta["capacity"]) for d in res.values()} == {ds.shapes(MINI, prompts, NEW)}
     assert [d.n for d in res.values()] == [3, 3] and (res[4].lengths == NEW).all()
+
+
+def test_the_committed_results_agree_with_the_models_card():
+    """notebooks/dspark.json, the notebook's full run on the shipped model: τ grows with γ (a longer block can only
+    add accepted drafts), every figure stands on at least 64 prompts, and the γ = 5 greedy run repeats the
+    measurement of the model's card (same prompts and sizes), so their intervals overlap."""
+    got = results.load("dspark", fast=False)
+    assert not got["fast"] and got["model"]["name"] == "tiny-v41"
+    by_gamma = got["by_gamma"]
+    taus = [by_gamma[str(g)]["tau"]["value"] for g in range(1, got["model"]["gamma"] + 1)]
+    assert taus == sorted(taus) and taus[-1] > taus[0] + 1
+    assert all(run["tau"]["n"] >= 64 for part in ("by_gamma", "by_temperature") for run in got[part].values())
+    card = json.loads((bundled("tiny-v41") / "accuracy.json").read_text())["acceptance"]["acceptance_length"]
+    five = by_gamma["5"]["tau"]
+    assert five["lo"] <= card["hi"] and card["lo"] <= five["hi"], (five, card)
