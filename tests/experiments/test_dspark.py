@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import jax.numpy as jnp
+import nbformat
 import numpy as np
 import pytest
 
@@ -205,3 +206,17 @@ def test_the_committed_results_agree_with_the_models_card():
     card = json.loads((bundled("tiny-v41") / "accuracy.json").read_text())["acceptance"]["acceptance_length"]
     five = by_gamma["5"]["tau"]
     assert five["lo"] <= card["hi"] and card["lo"] <= five["hi"], (five, card)
+
+
+def test_the_notebooks_prose_quotes_its_results():
+    """The headline figures of the notebook's reading are the saved results, so a re-run that moves them fails
+    here until the prose is rewritten."""
+    got = results.load("dspark", fast=False)
+    prose = " ".join(nbformat.read(results.ROOT / "notebooks" / "dspark.ipynb", as_version=4).cells[-1].source.split())
+    quoted = [got["by_gamma"]["1"]["tau"], got["by_gamma"]["5"]["tau"], got["by_temperature"]["0.7"]["tau"],
+              got["by_temperature"]["1.0"]["tau"], got["by_context"]["32"]["tau"]]
+    for iv in quoted:
+        assert f"{iv['value']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}]" in prose, iv
+    ece = got["calibration"]["ece"]
+    assert f"ECE is {ece['value']:.3f} [{ece['lo']:.3f}, {ece['hi']:.3f}]" in prose
+    assert f"Over {got['calibration']['drafts']} reached drafts" in prose

@@ -1,5 +1,6 @@
 """The replay-window measurements behind notebooks/replay_windows.ipynb (SPEC §11)."""
 
+import nbformat
 import numpy as np
 import pytest
 
@@ -7,6 +8,7 @@ from csa2.replay import EXACT, ReplayPolicy, exact_window, token_layers
 from experiments import replay_windows as rw, results
 
 N = 24
+NOTEBOOK = results.ROOT / "notebooks" / "replay_windows.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +111,20 @@ def test_the_committed_results_hold_the_bound():
             assert r["top1_end"] == 1 and set(r["top1_steps"]) == {1}, (part, r["window"])
     assert [r["layer"] for r in got["layer_savings"]["layers"]] == list(range(20, 40))
     assert got["release_8k"]["work_saving"] == pytest.approx(0.4676, abs=5e-5)
+
+
+def test_the_notebooks_prose_quotes_its_results():
+    """The headline figures of the notebook's reading are the saved results, so a re-run that moves them fails
+    here until the prose is rewritten."""
+    got = results.load("replay_windows", fast=False)
+    prose = nbformat.read(NOTEBOOK, as_version=4).cells[-1].source
+    r4 = next(r for r in got["text"]["rows"] if r["window"] == 4)["intervals"]
+    long = got["long"]
+    for quoted in (_quoted(r4["kl_end"], 3), _quoted(r4["top1_end"], 2), _quoted(got["layer_savings"]["saved_s"], 2),
+                   f"{100 * (1 - long['work_ratio']):.2f} % of the work",
+                   f"{100 * (1 - long['wall_ratio']):.1f} % of the wall time"):
+        assert quoted in " ".join(prose.split()), quoted
+
+
+def _quoted(interval: dict, digits: int) -> str:
+    return f"{interval['value']:.{digits}f} [{interval['lo']:.{digits}f}, {interval['hi']:.{digits}f}]"
