@@ -206,7 +206,7 @@ def format_table(rows: list[dict], columns=COLUMNS) -> str:
 
     def cell(r, c):
         iv = interval_of(r, c)
-        text = f"{r[c]:.3f}" if iv is None else f"{iv['value']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}]"
+        text = f"{r[c]:.3f}" if iv is None else stats.interval_text(iv, ".3f")
         return f"{text:>{widths[c]}}"
 
     lines = [f"{'budget':>6} {'policy':<13}" + "".join(f"{c:>{widths[c]}}" for c in columns)]

@@ -375,7 +375,7 @@ def _claim(label: str, what: str, iv: dict | None) -> str:
         return f"{label}: one seed, no interval"
     verdict = ("the interval excludes 0" if iv["lo"] > 0 or iv["hi"] < 0
                else "the interval holds 0: no difference shown")
-    return (f"{label}: {what} {iv['value']:+.2f} [{iv['lo']:+.2f}, {iv['hi']:+.2f}] "
+    return (f"{label}: {what} {stats.interval_text(iv, '+.2f')} "
             f"(95 %, n = {iv['n']} seeds): {verdict}")
 
 

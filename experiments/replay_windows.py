@@ -212,8 +212,7 @@ def format_table(rows: list[dict]) -> str:
     def cell(r, m):
         form = ".1e" if m.startswith("kl") else ".2f"
         iv = (r["intervals"] or {}).get(m)
-        text = (f"{np.mean(r[m]):{form}}" if iv is None
-                else f"{iv['value']:{form}} [{iv['lo']:{form}}, {iv['hi']:{form}}]")
+        text = f"{np.mean(r[m]):{form}}" if iv is None else stats.interval_text(iv, form)
         return f" {text:>{width[m] - 1}}"
 
     lines = [f"{key[0]:>5} {key[1]:<19}" + "".join(f"{m:>{width[m]}}" for m in MEASURES)

@@ -266,11 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         log(acc)
-        ci = lambda x: f"{x['value']:.2f} [{x['lo']:.2f}, {x['hi']:.2f}]"  # noqa: E731
         print(f"\nacceptance length (tokens per verify step, bonus included), greedy, γ = {cfg.dspark_block_size}, "
-              f"n = {acc['prompts']} held-out prompts, 95 % interval: {ci(acc['acceptance_length'])}")
+              f"n = {acc['prompts']} held-out prompts, 95 % interval: {stats.interval_text(acc['acceptance_length'])}")
         print("acceptance per draft position (accepted / reached): "
-              + ", ".join(ci(x) for x in acc["position_acceptance"]))
+              + ", ".join(stats.interval_text(x) for x in acc["position_acceptance"]))
     return 0
 
 

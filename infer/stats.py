@@ -35,6 +35,12 @@ class Interval(NamedTuple):
                 "n": self.n, "level": self.level}
 
 
+def interval_text(interval: Interval | dict, form: str = ".2f") -> str:
+    """`value [lo, hi]` of an `Interval` or of its `as_dict()`, each number formatted by `form` (e.g. ".3f")."""
+    d = interval._asdict() if isinstance(interval, Interval) else interval
+    return f"{d['value']:{form}} [{d['lo']:{form}}, {d['hi']:{form}}]"
+
+
 def _draws(n: int, resamples: int, seed: int) -> np.ndarray:
     if n < 2:
         raise ValueError(f"n={n}: an interval needs at least 2 prompts; measure more prompts")

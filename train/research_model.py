@@ -43,6 +43,7 @@ from csa2.config import ModelConfig
 from csa2.replay import EXACT, ReplayPolicy
 from infer import stats
 from infer.bench_spec import acceptance
+from infer.stats import interval_text
 from train import dspark, longctx
 from train.data import load_corpus
 from train.dspark import DSparkTrainConfig
@@ -195,10 +196,6 @@ def build(recipe: Recipe = RECIPE, runs: pathlib.Path = RUNS, out: pathlib.Path 
     return report
 
 
-def _ci(x: dict, digits: int = 2) -> str:
-    return f"{x['value']:.{digits}f} [{x['lo']:.{digits}f}, {x['hi']:.{digits}f}]"
-
-
 def passkey_table(report: dict) -> str:
     """The card's pass-key table: keys retrieved and digits right per length, exact and under replay."""
     window = report["recipe"]["replay_window"]
@@ -206,7 +203,8 @@ def passkey_table(report: dict) -> str:
              "|---|---|---|---|---|"]
     for length, e in report["passkey_exact"].items():
         r = report["passkey_replay"][length]
-        lines.append(f"| {length} | {_ci(e['keys'])} | {_ci(e['digits'])} | {_ci(r['keys'])} | {_ci(r['digits'])} |")
+        cells = [interval_text(x) for x in (e["keys"], e["digits"], r["keys"], r["digits"])]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -276,10 +274,10 @@ greedy decoding produces.
 {passkey_table(report)}
 
 Validation bits per byte (n = {report["bpb"]["float"]["n"]} batches of 8 × 128 bytes): float
-{_ci(report["bpb"]["float"], 3)}, SPEC §8 numerics {_ci(report["bpb"]["spec"], 3)}.
+{interval_text(report["bpb"]["float"], '.3f')}, SPEC §8 numerics {interval_text(report["bpb"]["spec"], '.3f')}.
 
 DSpark mean acceptance length (tokens per verify step, bonus included), γ = 5, greedy, n = {acc["prompts"]} held-out
-prompts of {acc["prompt_len"]} tokens, {acc["new_tokens"]} new tokens each: {_ci(acc["acceptance_length"])}.
+prompts of {acc["prompt_len"]} tokens, {acc["new_tokens"]} new tokens each: {interval_text(acc["acceptance_length"])}.
 
 ## Files
 

@@ -216,7 +216,7 @@ def test_the_notebooks_prose_quotes_its_results():
     quoted = [got["by_gamma"]["1"]["tau"], got["by_gamma"]["5"]["tau"], got["by_temperature"]["0.7"]["tau"],
               got["by_temperature"]["1.0"]["tau"], got["by_context"]["32"]["tau"]]
     for iv in quoted:
-        assert f"{iv['value']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}]" in prose, iv
+        assert stats.interval_text(iv) in prose, iv
     ece = got["calibration"]["ece"]
-    assert f"ECE is {ece['value']:.3f} [{ece['lo']:.3f}, {ece['hi']:.3f}]" in prose
+    assert f"ECE is {stats.interval_text(ece, '.3f')}" in prose
     assert f"Over {got['calibration']['drafts']} reached drafts" in prose

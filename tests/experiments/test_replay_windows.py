@@ -6,6 +6,7 @@ import pytest
 
 from csa2.replay import EXACT, ReplayPolicy, exact_window, token_layers
 from experiments import replay_windows as rw, results
+from infer import stats
 
 N = 24
 NOTEBOOK = results.ROOT / "notebooks" / "replay_windows.ipynb"
@@ -32,7 +33,7 @@ def test_sweep_rows_measure_error_work_and_time(mini, mini_params, prompts):
     header, *lines, note = rw.format_table(rows).splitlines()
     assert header.split()[:2] == ["split", "window"] and len(lines) == 2 and note.endswith("n = 2")
     iv = small["intervals"]["top1_steps"]
-    assert f"{iv['value']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}]" in lines[0]
+    assert stats.interval_text(iv) in lines[0]
     assert f"{small['work_ratio']:.4g}" in lines[0]
     untimed = rw.sweep(mini, mini_params, prompts, windows=[4], splits=[None], steps=0, reps=0)
     assert "wall_ratio" not in untimed[0] and untimed[0]["kl_end"] == small["kl_end"]
@@ -91,7 +92,6 @@ def test_layer_savings_split_the_whole_saving_over_the_tail_layers(mini, mini_pa
         rw.layer_savings(mini, mini_params, prompts, window=4, first=0)
 
 
-
 def test_the_committed_results_hold_the_bound():
     """notebooks/replay_windows.json, the notebook's full run on the shipped 40-layer model: from R = exact_window
     on, the bounded prefill gives the exact next-token distribution (float rounding) on every prompt, at the prompt
@@ -120,11 +120,8 @@ def test_the_notebooks_prose_quotes_its_results():
     prose = nbformat.read(NOTEBOOK, as_version=4).cells[-1].source
     r4 = next(r for r in got["text"]["rows"] if r["window"] == 4)["intervals"]
     long = got["long"]
-    for quoted in (_quoted(r4["kl_end"], 3), _quoted(r4["top1_end"], 2), _quoted(got["layer_savings"]["saved_s"], 2),
+    for quoted in (stats.interval_text(r4["kl_end"], ".3f"), stats.interval_text(r4["top1_end"]),
+                   stats.interval_text(got["layer_savings"]["saved_s"]),
                    f"{100 * (1 - long['work_ratio']):.2f} % of the work",
                    f"{100 * (1 - long['wall_ratio']):.1f} % of the wall time"):
         assert quoted in " ".join(prose.split()), quoted
-
-
-def _quoted(interval: dict, digits: int) -> str:
-    return f"{interval['value']:.{digits}f} [{interval['lo']:.{digits}f}, {interval['hi']:.{digits}f}]"

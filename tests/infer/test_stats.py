@@ -58,6 +58,13 @@ def test_prompt_intervals_count_prompts_and_keep_a_perfect_score_uncertain():
     assert one_prompt is None  # one prompt: no interval
 
 
+def test_interval_text_reads_an_interval_or_its_stored_dict():
+    iv = stats.Interval(0.0486, 0.00315, 0.112, 64)
+    assert stats.interval_text(iv, ".3f") == stats.interval_text(iv.as_dict(digits=8), ".3f") == "0.049 [0.003, 0.112]"
+    assert stats.interval_text(stats.Interval(-0.05, -0.2, 0.1, 3)) == "-0.05 [-0.20, 0.10]"
+    assert stats.interval_text(stats.Interval(0.5, 0.25, 0.75, 3), "+.2f") == "+0.50 [+0.25, +0.75]"
+
+
 def test_seed_interval_is_students_t():
     """Three runs 1, 2, 6: mean 3, s = √7, t(2) = 4.303 at 95 %: 3 ± 4.303·√7/√3 = [−3.572, 9.572]."""
     got = stats.seed_interval([1.0, 2.0, 6.0])
