@@ -57,11 +57,13 @@ def run(cfg: ModelConfig, params, tokens, policy: selection.Policy | None, start
     return np.asarray(jax.nn.log_softmax(logits, axis=-1)), jax.tree.map(np.asarray, aux["tap"])
 
 
-def budget_use(cfg: ModelConfig, rec: Summary, policy: selection.Policy | None, start) -> dict[str, float]:
-    """{reads, kept, recall, lost}, means over the Global-reading layers and the queries at positions ≥ `start`
-    that see more entries than `index_topk` (see the module docstring)."""
+def budget_use(cfg: ModelConfig, rec: Summary, policy: selection.Policy | None, start) -> dict[str, np.ndarray]:
+    """{reads, kept, recall, lost}, per row `[B]` the mean over the Global-reading layers and the row's queries at
+    positions ≥ `start` that see more entries than `index_topk` (see the module docstring; NaN for a row without
+    such a query)."""
     evicts = policy is not None and policy.evicts
-    sums = {k: [] for k in ("reads", "kept", "recall", "lost")}
+    sums = {k: 0.0 for k in ("reads", "kept", "recall", "lost")}
+    count = 0
     for spec in layer_plan(cfg):
         if spec.role == "swa":
             continue
@@ -71,23 +73,27 @@ def budget_use(cfg: ModelConfig, rec: Summary, policy: selection.Policy | None, 
         where = topk.counted(cfg, spec.index, rec) & (np.arange(s) >= np.reshape(start, (-1, 1)))
         reads = np.sum(ids >= 0, axis=-1)
         recall = topk.share(rec.read[spec.index], rec.total[spec.index])
-        sums["reads"].append(reads[where])
-        sums["kept"].append((reads / np.maximum(visible, 1) if evicts else np.ones_like(reads, float))[where])
-        sums["recall"].append(recall[where])
-        sums["lost"].append((1.0 - recall if evicts else np.zeros_like(recall))[where])
-    return {k: float(np.mean(np.concatenate(v))) for k, v in sums.items()}
+        values = {"reads": reads, "kept": reads / np.maximum(visible, 1) if evicts else np.ones_like(reads, float),
+                  "recall": recall, "lost": 1.0 - recall if evicts else np.zeros_like(recall)}
+        for k, v in values.items():
+            sums[k] = sums[k] + np.sum(np.where(where, v, 0.0), axis=1)
+        count = count + np.sum(where, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return {k: v / count for k, v in sums.items()}
 
 
-def retrieval_examples(length: int, depths, samples: int, *, keys: int = 1, digits: int = 5,
-                       seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def retrieval_examples(length: int, depths, samples: int, *, keys: int = 1, digits: int = 5, seed: int = 0,
+                       template: str = "held_out") -> list[tuple[np.ndarray, np.ndarray]]:
     """`samples` batches of (tokens [len(depths), length + digits − 1], answers [len(depths), digits]): one
     pass key (`keys` = 1) or `keys` named keys (one queried, all at the row's depth) per row, row i at
-    `depths[i]`; tokens are the prompt and every answer digit but the last (teacher forcing)."""
+    `depths[i]`, in the wording of `template` (`train.data.TEMPLATES`; default the one no training row holds);
+    tokens are the prompt and every answer digit but the last (teacher forcing)."""
     out = []
     for sample in range(samples):
         rng = np.random.default_rng([seed, length, keys, sample])
-        pairs = [passkey_example(rng, length, d, digits=digits) if keys == 1
-                 else multi_needle_example(rng, length, keys, [d] * keys, digits=digits) for d in depths]
+        pairs = [passkey_example(rng, length, d, digits=digits, template=template) if keys == 1
+                 else multi_needle_example(rng, length, keys, [d] * keys, digits=digits, template=template)
+                 for d in depths]
         out.append((np.stack([np.concatenate([p, a[:-1]]) for p, a in pairs]), np.stack([a for _, a in pairs])))
     return out
 
@@ -141,15 +147,17 @@ def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> np.n
 
 
 def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples: int, text: np.ndarray,
-             keys: int = 2, names=NAMES, log=lambda _: None) -> list[dict]:
-    """The baseline table: one row per (budget, policy) with `budget_use` on the pass-key prompts, pass-key
+             keys: int = 2, template: str = "held_out", names=NAMES, log=lambda _: None) -> list[dict]:
+    """The baseline table: one row per (budget, policy) with `budget_use` on the pass-key prompts (means over
+    prompts; `use_intervals`: {measure: interval} over them, `infer.stats.prompt_intervals`), pass-key
     and `keys`-needle scores (means over depths; `by_depth` per depth: {depth: {exact, digits, bits, needle}};
     `needle` = `needle_reads`; `<task>_intervals`: {measure: interval} over the `samples · len(depths)` prompts,
     `infer.stats.prompt_intervals`), and bits per byte of `text [B = len(depths), length + digits]` scored from
     its middle on (`bpb_interval` over its rows; None with one row). Every run of one (budget, policy) shares one
-    compiled program (the same shapes; the start is traced)."""
-    passkeys = retrieval_examples(length, depths, samples)
-    needles = retrieval_examples(length, depths, samples, keys=keys)
+    compiled program (the same shapes; the start is traced). The retrieval prompts are worded by `template`
+    (`retrieval_examples`)."""
+    passkeys = retrieval_examples(length, depths, samples, template=template)
+    needles = retrieval_examples(length, depths, samples, keys=keys, template=template)
     start = length - 1  # every answer digit is predicted under the policy
     text_start = length // 2
     rows = []
@@ -174,7 +182,9 @@ def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples:
                     {k: np.concatenate([s[k] for s in scores]) for k in scores[0]}, shares=("exact",))
                 row[f"{task}_by_depth"] = {float(d): {k: float(v[i]) for k, v in merged.items()}
                                            for i, d in enumerate(depths)}
-            row.update({k: float(np.mean([u[k] for u in uses])) for k in uses[0]})
+            use = {k: np.concatenate([u[k] for u in uses]) for k in uses[0]}  # [prompts] each
+            row.update({k: float(np.mean(v)) for k, v in use.items()})
+            row["use_intervals"] = stats.prompt_intervals(use)
             logprobs, _ = run(at, params, text[:, :-1], policy, text_start)
             per_row = bits_per_byte(logprobs, text[:, 1:], text_start)
             row["bpb"] = float(np.mean(per_row))
@@ -185,15 +195,19 @@ def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples:
     return rows
 
 
+USE = ("reads", "kept", "recall", "lost")  # the `budget_use` columns
 COLUMNS = ("reads", "kept", "recall", "lost", "passkey_needle", "passkey_digits", "passkey_bits", "needles_needle",
            "needles_digits", "needles_bits", "bpb")
 
 
 def interval_of(row: dict, column: str) -> dict | None:
     """The interval `evaluate` stored for `column` of `row` (`passkey_digits` → `passkey_intervals["digits"]`,
-    `bpb` → `bpb_interval`), or None for a column without one (the budget measures, a single prompt)."""
+    `recall` → `use_intervals["recall"]`, `bpb` → `bpb_interval`), or None for a column without one (a single
+    prompt)."""
     if column == "bpb":
         return row.get("bpb_interval")
+    if column in USE:
+        return (row.get("use_intervals") or {}).get(column)
     task, _, measure = column.partition("_")
     return (row.get(f"{task}_intervals") or {}).get(measure)
 
@@ -211,7 +225,8 @@ def format_table(rows: list[dict], columns=COLUMNS) -> str:
 
     lines = [f"{'budget':>6} {'policy':<13}" + "".join(f"{c:>{widths[c]}}" for c in columns)]
     lines += [f"{r['budget']:>6} {r['policy']:<13}" + "".join(cell(r, c) for c in columns) for r in rows]
-    notes = sorted({(c.partition("_")[0], iv["n"], iv["level"]) for c, iv in shown.items()})  # "bpb" stays "bpb"
+    notes = sorted({("budget use" if c in USE else c.partition("_")[0], iv["n"], iv["level"])  # "bpb" stays
+                    for c, iv in shown.items()})
     if notes:
         lines.append("intervals: " + "; ".join(f"{name} n = {n} at {level:.0%}" for name, n, level in notes))
     return "\n".join(lines)

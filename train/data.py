@@ -222,11 +222,12 @@ def passkey_example(rng: np.random.Generator, length: int, depth: float, *, digi
 
 
 def multi_needle_example(rng: np.random.Generator, length: int, n_keys: int, depths: Sequence[float], *,
-                         digits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+                         digits: int = 4, template: str = "train") -> tuple[np.ndarray, np.ndarray]:
     """Multi-key retrieval: needles "The key for <name> is NNNN. " at `depths`; one, drawn by rng, is queried.
 
     Returns (prompt [length] int32, answer [digits] int32); names are distinct, the prompt ends
-    with "What is the key for <name>? The key for <name> is " (trailing space).
+    with "What is the key for <name>? The key for <name> is " (trailing space). That wording is the "train"
+    template's; `template` picks another of `TEMPLATES` ("held_out": never trained on).
     """
     _check_rng(rng)
     _check_positive("length", length)
@@ -241,7 +242,7 @@ def multi_needle_example(rng: np.random.Generator, length: int, n_keys: int, dep
     names = [_NAMES[i] for i in rng.choice(len(_NAMES), size=n_keys, replace=False)]
     values = [_digits(rng, digits) for _ in range(n_keys)]
     q = int(rng.integers(n_keys))
-    words = TEMPLATES["train"]
+    words = _template(template)
     needles = [(d, words.named.format(name=name, value=value)) for d, name, value in zip(depths, names, values)]
     return _haystack(length, needles, words.ask_one.format(who=names[q]), words.filler), encode(values[q], bos=False)
 

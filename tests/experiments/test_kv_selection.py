@@ -86,8 +86,9 @@ def test_budget_use_on_a_hand_record():
     rec = _probe(mass, topk)
     start = 35
     keep = kv.budget_use(MINI, rec, selection.Quest(), start)
-    assert keep == pytest.approx({"reads": 16.0, "kept": 1.0, "recall": 0.6, "lost": 0.0})
-    evict = kv.budget_use(MINI, rec, selection.H2O(), start)
+    assert all(v.shape == (b,) for v in keep.values())  # one figure per row
+    assert {k: v[0] for k, v in keep.items()} == pytest.approx({"reads": 16.0, "kept": 1.0, "recall": 0.6, "lost": 0.0})
+    evict = {k: v[0] for k, v in kv.budget_use(MINI, rec, selection.H2O(), start).items()}
     readers = [sp for sp in layer_plan(MINI) if sp.role != "swa"]
     kept = np.mean([16 / ((t + 1) // sp.ratio) for sp in readers for t in range(start, s)
                     if (t + 1) // sp.ratio > MINI.index_topk])
@@ -105,6 +106,11 @@ def test_format_table_has_a_line_per_row_and_states_each_intervals_n():
     assert len(text) == 2 + len(kv.NAMES)
     assert text[1].split()[2:] == ["0.500", "0.500", "[0.250,", "0.750]", "0.500", "[0.250,", "0.750]"]
     assert text[-1] == "intervals: bpb n = 5 at 95%; passkey n = 10 at 95%"
+    for r in rows:
+        r.update(use_intervals={"recall": {**interval, "n": 64}})
+    text = kv.format_table(rows, ("recall", "passkey_digits")).splitlines()
+    assert text[1].split()[2:5] == ["0.500", "[0.250,", "0.750]"]
+    assert text[-1] == "intervals: budget use n = 64 at 95%; passkey n = 10 at 95%"
     for r in rows:  # one prompt: no intervals, plain figures
         r.update(passkey_intervals=None, bpb_interval=None)
     assert kv.format_table(rows, ("passkey_digits", "bpb")).splitlines()[1].split()[2:] == ["0.500", "0.500"]

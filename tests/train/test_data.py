@@ -177,8 +177,14 @@ def test_held_out_wording_shares_no_phrase_with_training():
     found = re.findall(r"(\w+) holds the number (\d{4})\. ", text)
     who = re.search(r"Which numbers do (.+) hold\? \1 hold $", text).group(1).split(" and ")
     assert len(found) == 8 and tokenizer.decode(answer) == ", ".join(v for w in who for n, v in found if n == w)
-    for text in (tokenizer.decode(prompt), tokenizer.decode(data.passkey_example(rng, 800, 0.1,
-                                                                                 template="held_out")[0])):
+    ruler_text = tokenizer.decode(prompt)
+    prompt, answer = data.multi_needle_example(rng, 800, 3, [0.2, 0.5, 0.8], template="held_out")
+    needles_text = tokenizer.decode(prompt)
+    found = re.findall(r"(\w+) holds the number (\d{4})\. ", needles_text)
+    asked = re.search(r"Which number does (\w+) hold\? \1 holds $", needles_text).group(1)
+    assert len(found) == 3 and dict(found)[asked] == tokenizer.decode(answer)
+    for text in (ruler_text, needles_text, tokenizer.decode(data.passkey_example(rng, 800, 0.1,
+                                                                                   template="held_out")[0])):
         assert not [p for p in phrases if p in text]
 
 
