@@ -14,8 +14,9 @@ Only queries where selection matters count: more visible entries than `index_top
 selection holds every visible entry and its recall is 1 by construction; a sweep uses its largest
 `index_topk` for every point, so all points count the same queries), and some Global mass.
 
-The per-role figures (`by_role`) pool the counted queries of a role's layers and come with a 95 % interval from
-resampling the prompts, the independent unit (`infer.stats.ratio_interval`): queries of one prompt are not.
+Every figure is a mean over counted queries pooled over prompts (per layer in `layer_table`; per role, pooling its
+layers, in `by_role`, `recall_by_position` and `distance_by_role`) and comes with a 95 % interval from resampling
+the prompts, the independent unit (`pooled_intervals`): queries of one prompt are not.
 
 `selected`, `recall`, `oracle` and `overlap` are the same measures on the full per-entry records of
 `research.probe.Probes` (host arrays `[..., N]`), for short prompts and per-entry maps.
@@ -39,7 +40,7 @@ from research.probe_stats import ProbeStats, Summary
 
 def probe(cfg: ModelConfig, params, tokens, edges=()) -> Summary:
     """Every layer's statistics for prompts `tokens [B, S]`, as host arrays `[L, B, S, ·]`; `edges`: the
-    token-distance bins of `misses_by_distance`."""
+    token-distance bins of `distance_by_role`."""
     instrument = ProbeStats(edges=tuple(int(e) for e in edges))
     _, aux = model.forward(cfg, params, jnp.asarray(tokens, jnp.int32), qat=True, instrument=instrument)
     return jax.tree.map(np.asarray, aux["tap"])
@@ -116,7 +117,8 @@ def layer_table(cfg: ModelConfig, rec: Summary, min_visible: int | None = None) 
     `scan` (its own indexer over every visible entry; index sources), `pool` and `inside_pool` (layers
     that read a candidate pool's selection: Reindex layers and their Reuse layers; NaN where a measure does not
     apply). `per_prompt` holds, per measure that applies, its sum over each prompt's counted queries and their
-    number (`[B]` each), what `by_role` pools."""
+    number (`[B]` each), what `by_role` pools; `intervals` each measure with its 95 % interval over prompts
+    (`pooled_intervals`)."""
     rows = []
     for layer, spec in enumerate(layer_plan(cfg)):
         if spec.role == "swa":
@@ -136,14 +138,28 @@ def layer_table(cfg: ModelConfig, rec: Summary, min_visible: int | None = None) 
                "queries": int(np.sum(where))}
         row.update({key: _mean(*values[key]) if key in values else float("nan") for key in MEASURES})
         row["per_prompt"] = {key: _per_prompt(*v) for key, v in values.items()}
+        row["intervals"] = pooled_intervals(row["per_prompt"])
         rows.append(row)
     return rows
+
+
+def pooled_intervals(per_prompt: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, dict] | None:
+    """{measure: the pooled rate Σ sums / Σ counts with its 95 % interval from resampling the prompts
+    (`infer.stats.ratio_interval`, as `Interval.as_dict()`)} for `per_prompt` {measure: (sums, counts), `[B]`
+    each}; a measure without any count is left out; None with one prompt (an interval needs two)."""
+    if per_prompt and len(next(iter(per_prompt.values()))[1]) < 2:
+        return None
+    pooled = {key: v for key, v in per_prompt.items() if np.sum(v[1]) > 0}
+    if not pooled:
+        return {}
+    num, den = (np.stack([v[i] for v in pooled.values()], axis=1) for i in (0, 1))
+    return {key: iv.as_dict() for key, iv in zip(pooled, stats.ratio_interval(num, den))}
 
 
 def by_role(rows: list[dict]) -> dict[str, dict]:
     """`layer_table` rows pooled per role: each measure the mean over the counted queries of the role's layers
     (NaN where it applies to none) and, in `intervals`, that mean with its 95 % interval from resampling the
-    prompts (`infer.stats.ratio_interval`; None with one prompt: an interval needs two)."""
+    prompts (`pooled_intervals`; None with one prompt)."""
     out = {}
     for role in dict.fromkeys(r["role"] for r in rows):
         sel = [r for r in rows if r["role"] == role]
@@ -151,49 +167,64 @@ def by_role(rows: list[dict]) -> dict[str, dict]:
         pooled = {}  # measure: (Σ over the role's counted queries, their number), [B] each
         for key in MEASURES:
             parts = [r["per_prompt"][key] for r in sel if key in r["per_prompt"]]
-            if parts and sum(np.sum(c) for _, c in parts) > 0:
+            if parts:
                 pooled[key] = (sum(x for x, _ in parts), sum(c for _, c in parts))
-            out[role][key] = float(np.sum(pooled[key][0]) / np.sum(pooled[key][1])) if key in pooled else float("nan")
-        prompts = len(sel[0]["per_prompt"]["recall"][1])
-        out[role]["intervals"] = None if prompts < 2 else {}
-        if prompts >= 2 and pooled:
-            num, den = (np.stack([v[i] for v in pooled.values()], axis=1) for i in (0, 1))
-            out[role]["intervals"] = {key: iv.as_dict() for key, iv in zip(pooled, stats.ratio_interval(num, den))}
+            has = key in pooled and np.sum(pooled[key][1]) > 0
+            out[role][key] = float(np.sum(pooled[key][0]) / np.sum(pooled[key][1])) if has else float("nan")
+        out[role]["intervals"] = pooled_intervals(pooled)
     return out
 
 
-def recall_by_position(cfg: ModelConfig, rec: Summary, edges) -> dict[int, dict[str, np.ndarray]]:
-    """Per layer reading Global KV: mean `recall` of what it read and of the `oracle`, over the counted queries
-    whose position lies in each bin `[edges[i], edges[i+1])` (NaN for an empty bin): how selection holds up
-    as the context grows."""
+def _roles(cfg: ModelConfig) -> dict[str, list[int]]:
+    """The layers of each role that reads Global KV, in layer order."""
+    out: dict[str, list[int]] = {}
+    for layer, spec in enumerate(layer_plan(cfg)):
+        if spec.role != "swa":
+            out.setdefault(spec.role, []).append(layer)
+    return out
+
+
+def recall_by_position(cfg: ModelConfig, rec: Summary, edges) -> dict[str, dict]:
+    """Per role: the mean `recall` of what its layers read and of the `oracle`, over their counted queries whose
+    position lies in each bin `[edges[i], edges[i+1])`, as `pooled_intervals` per bin (`"recall"`, `"oracle"`:
+    one {measure: interval} per bin, None with one prompt; `"value"`: the two means per bin, NaN for an empty
+    bin): how selection holds up as the context grows."""
     edges = np.asarray(edges)
     out = {}
-    for layer, spec in enumerate(layer_plan(cfg)):
-        if spec.role == "swa":
-            continue
-        total = rec.total[layer]
-        where = counted(cfg, layer, rec)
-        pos = np.broadcast_to(np.arange(total.shape[-1]), where.shape)
-        got, best = share(rec.read[layer], total), share(rec.oracle[layer], total)
-        bins = [where & (pos >= lo) & (pos < hi) for lo, hi in zip(edges[:-1], edges[1:])]
-        out[layer] = {"recall": np.array([_mean(got, b) for b in bins]),
-                      "oracle": np.array([_mean(best, b) for b in bins])}
+    for role, layers in _roles(cfg).items():
+        parts = []  # per bin: {measure: (sums [B], counts [B])} pooled over the role's layers
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            per_layer = []
+            for layer in layers:
+                total, pos = rec.total[layer], np.arange(rec.total[layer].shape[-1])
+                inside = counted(cfg, layer, rec) & (pos >= lo) & (pos < hi)
+                per_layer.append({key: _per_prompt(share(got, total), inside)
+                                  for key, got in (("recall", rec.read[layer]), ("oracle", rec.oracle[layer]))})
+            parts.append({key: (sum(p[key][0] for p in per_layer), sum(p[key][1] for p in per_layer))
+                          for key in ("recall", "oracle")})
+        out[role] = {"edges": edges.tolist(),
+                     "value": {key: [float(np.sum(p[key][0]) / np.sum(p[key][1])) if np.sum(p[key][1]) else
+                                     float("nan") for p in parts] for key in ("recall", "oracle")},
+                     "intervals": [pooled_intervals(p) for p in parts]}
     return out
 
 
-def misses_by_distance(cfg: ModelConfig, rec: Summary) -> dict[int, dict[str, np.ndarray]]:
-    """Per layer reading Global KV: the Global attention mass and the part of it the layer's top-k missed, by
-    token distance (the bins `probe` was given), each a share of the layer's total mass over the counted
-    queries: where attention goes and where selection loses it."""
+def distance_by_role(cfg: ModelConfig, rec: Summary) -> dict[str, dict]:
+    """Per role: its Global attention mass by token distance from the query (the bins `probe` was given) and the
+    part of it its top-k missed, each a share of the role's total Global mass over the counted queries, pooled
+    over its layers, per bin as `pooled_intervals` (`"mass"`, `"missed"`; None with one prompt) and as values:
+    where attention goes and where selection loses it."""
     if rec.by_distance is None:
-        raise ValueError("misses_by_distance: these statistics have no distance bins; give probe(..., edges=)")
+        raise ValueError("distance_by_role: these statistics have no distance bins; give probe(..., edges=)")
     out = {}
-    for layer, spec in enumerate(layer_plan(cfg)):
-        if spec.role == "swa":
-            continue
-        total = max(float(np.sum(rec.total[layer][counted(cfg, layer, rec)])), 1e-30)
-        at, missed = np.sum(rec.by_distance[layer], axis=0)  # [bins] each, summed over the rows
-        out[layer] = {"mass": at / total, "missed": missed / total}
+    for role, layers in _roles(cfg).items():
+        dist = sum(rec.by_distance[layer] for layer in layers)  # [B, 2, bins]: mass, and the part missed
+        total = sum(np.sum(np.where(counted(cfg, layer, rec), rec.total[layer], 0.0), axis=1) for layer in layers)
+        whole = max(float(np.sum(total)), 1e-30)
+        out[role] = {"mass": (np.sum(dist[:, 0], axis=0) / whole).tolist(),
+                     "missed": (np.sum(dist[:, 1], axis=0) / whole).tolist(),
+                     "intervals": [pooled_intervals({"mass": (dist[:, 0, i], total), "missed": (dist[:, 1, i], total)})
+                                   for i in range(dist.shape[-1])]}
     return out
 
 

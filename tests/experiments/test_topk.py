@@ -1,11 +1,14 @@
-"""The Top-K measures behind notebooks/topk_candidates.ipynb, on hand cases with known answers."""
+"""The Top-K measures behind notebooks/topk_candidates.ipynb, on hand cases with known answers, and the notebook's
+committed results."""
 
+import nbformat
 import numpy as np
 import pytest
 
 from csa2.layout import layer_plan
 from csa2.presets import preset
-from experiments import topk
+from experiments import results, topk
+from infer import stats
 from research.probe import Probe
 from tests.research.host_summary import summary
 
@@ -51,26 +54,28 @@ def _record(layer: int, mass: np.ndarray, ids: np.ndarray, pool: np.ndarray | No
     return Probe(mass=full, topk=sel, scan=sel, pool=pools)
 
 
-def test_misses_by_distance_puts_each_missed_entry_in_its_bin():
-    """Layer 4 (ratio 1): a query at position 40 attends 0.5 to entry 39 (distance 1, read) and 0.5 to entry 8
-    (distance 32, missed); earlier queries do not count (at most index_topk visible entries)."""
+def test_distance_by_role_puts_each_missed_entry_in_its_bin():
+    """Layer 4 (ratio 1, the only Full layer with mass): a query at position 40 attends 0.5 to entry 39 (distance
+    1, read) and 0.5 to entry 8 (distance 32, missed); earlier queries do not count (at most index_topk visible
+    entries)."""
     layer = 4
-    assert layer_plan(MINI)[layer].ratio == 1
+    assert layer_plan(MINI)[layer].ratio == 1 and layer_plan(MINI)[layer].role == "full"
     s = 41
     mass, ids = np.zeros((s, s)), np.full((s, MINI.index_topk), -1)
     mass[40, [39, 8]] = 0.5
     ids[40, 0] = 39
     mass[3, 0] = 1.0  # 4 visible entries ≤ index_topk: not counted
-    out = topk.misses_by_distance(MINI, summary(MINI, _record(layer, mass, ids), [0, 16, 64]))[layer]
+    out = topk.distance_by_role(MINI, summary(MINI, _record(layer, mass, ids), [0, 16, 64]))["full"]
     np.testing.assert_allclose(out["mass"], [0.5, 0.5])
     np.testing.assert_allclose(out["missed"], [0.0, 0.5])
+    assert out["intervals"] == [None, None]  # one prompt
 
 
-def test_misses_by_distance_needs_the_bins_at_probe_time():
+def test_distance_by_role_needs_the_bins_at_probe_time():
     layer, s = 4, 41
     rec = summary(MINI, _record(layer, np.zeros((s, s)), np.full((s, MINI.index_topk), -1)))
     with pytest.raises(ValueError, match=r"give probe\(\.\.\., edges=\)"):
-        topk.misses_by_distance(MINI, rec)
+        topk.distance_by_role(MINI, rec)
 
 
 def test_recall_by_position_bins_the_counted_queries():
@@ -78,9 +83,9 @@ def test_recall_by_position_bins_the_counted_queries():
     mass, ids = np.zeros((s, s)), np.full((s, MINI.index_topk), -1)
     mass[[38, 40], 0] = 1.0
     ids[38, 0] = 0  # position 38 read its entry, position 40 did not
-    out = topk.recall_by_position(MINI, summary(MINI, _record(layer, mass, ids)), [0, 39, 41])[layer]
-    np.testing.assert_allclose(out["recall"], [1.0, 0.0])
-    np.testing.assert_allclose(out["oracle"], [1.0, 1.0])
+    out = topk.recall_by_position(MINI, summary(MINI, _record(layer, mass, ids)), [0, 39, 41])["full"]
+    np.testing.assert_allclose(out["value"]["recall"], [1.0, 0.0])
+    np.testing.assert_allclose(out["value"]["oracle"], [1.0, 1.0])
 
 
 def test_distance_runs_to_the_last_token_of_a_compressed_entry():
@@ -90,8 +95,8 @@ def test_distance_runs_to_the_last_token_of_a_compressed_entry():
     assert layer_plan(MINI)[layer].ratio == 2
     mass, ids = np.zeros((s, s // 2)), np.full((s, MINI.index_topk), -1)
     mass[39, [18, 19]] = 0.5
-    out = topk.misses_by_distance(MINI, summary(MINI, _record(layer, mass, ids), [0, 1, 2, 3]))[layer]
-    np.testing.assert_allclose(out["mass"], [0.5, 0.0, 0.5])
+    out = topk.distance_by_role(MINI, summary(MINI, _record(layer, mass, ids), [0, 1, 2, 3]))
+    np.testing.assert_allclose(out[layer_plan(MINI)[layer].role]["mass"], [0.5, 0.0, 0.5])
 
 
 def test_layer_table_on_a_hand_case():
@@ -153,3 +158,68 @@ def test_sweep_reruns_the_model_per_value(mini_params):
     assert small["recall"] < large["recall"]
     with pytest.raises(ValueError, match="not a ModelConfig field"):
         topk.sweep(MINI, mini_params, tokens, "topk", [4])
+
+
+def test_position_and_distance_intervals_resample_prompts():
+    """Two prompts, each with one counted query at position 40 of layer 4 (ratio 1): the first reads its entry at
+    distance 1, the second misses it. Every figure is the pooled mean with an interval over the two prompts, the
+    per-layer rows included: recall 0.5 in [0, 1], and the missed mass likewise."""
+    layer, s = 4, 41
+    records = []
+    for read in (True, False):
+        mass, ids = np.zeros((s, s)), np.full((s, MINI.index_topk), -1)
+        mass[40, 39] = 1.0
+        ids[40, 0] = 39 if read else -1
+        records.append(_record(layer, mass, ids))
+    both = Probe(**{f: np.concatenate([getattr(r, f) for r in records], axis=1) for f in ("mass", "topk", "scan",
+                                                                                          "pool")})
+    rec = summary(MINI, both, [0, 16])
+    (row,) = [r for r in topk.layer_table(MINI, rec) if r["layer"] == layer]
+    by_pos = topk.recall_by_position(MINI, rec, [0, 41])["full"]
+    by_distance = topk.distance_by_role(MINI, rec)["full"]
+    for iv in (row["intervals"]["recall"], by_pos["intervals"][0]["recall"], by_distance["intervals"][0]["missed"]):
+        assert (iv["value"], iv["lo"], iv["hi"], iv["n"]) == (0.5, 0.0, 1.0, 2)
+    assert by_pos["intervals"][0]["oracle"]["lo"] == 1.0 and by_distance["intervals"][0]["mass"]["lo"] == 1.0
+
+
+def test_the_committed_results_hold_the_measures_definitions():
+    """notebooks/topk_candidates.json, the notebook's full run on the shipped 40-layer model: no layer reads more of
+    its Global mass than the oracle of its size (up to float rounding); every interval stands on the prompts of its
+    section; the distance bins cover every distance of the prompts, so each role's mass shares sum to 1; recall
+    grows with `index_topk`, and a Reindex layer's pool holds more of its mass as it grows; the probe reached
+    16K-token prompts."""
+    got = results.load("topk_candidates", fast=False)
+    assert not got["fast"] and got["model"]["name"] == "tiny-v41" and got["model"]["layers"] == 40
+    held, long = got["held_out"], got["long"]
+    assert long["tokens"] == 16384 and held["distance"]["edges"][-1] == held["tokens"]
+    for part in (held, long):
+        assert all(iv["n"] == part["prompts"] for _, iv in results.intervals(part))
+    for row in held["layers"]:
+        iv = row["intervals"]
+        assert iv["recall"]["value"] <= iv["oracle"]["value"] + 1e-3, row["layer"]
+    for role in held["distance"]["roles"].values():
+        assert sum(role["mass"]) == pytest.approx(1.0, abs=1e-4)
+        assert all(m <= a + 1e-9 for m, a in zip(role["missed"], role["mass"]))
+    for role in ("full", "reindex", "reuse"):
+        recall = [p["roles"][role]["intervals"]["recall"]["value"] for p in got["sweeps"]["index_topk"]]
+        assert recall == sorted(recall) and recall[-1] > recall[0], role
+    pools = [p["roles"]["reindex"]["intervals"]["pool"]["value"] for p in got["sweeps"]["candidate_topk_blocks"]]
+    assert pools == sorted(pools)
+
+
+def test_the_notebooks_prose_quotes_its_results():
+    """The headline figures of the notebook's reading are the saved results, so a re-run that moves them fails
+    here until the prose is rewritten."""
+    got = results.load("topk_candidates", fast=False)
+    prose = " ".join(nbformat.read(results.ROOT / "notebooks" / "topk_candidates.ipynb",
+                                   as_version=4).cells[-1].source.split())
+    roles, long = got["held_out"]["roles"], got["long"]
+    first, last = (long["by_position"]["full"]["intervals"][i] for i in (0, -1))
+    blocks = {p["value"]: p["roles"]["reindex"]["intervals"]["recall"] for p in got["sweeps"]["candidate_topk_blocks"]}
+    quoted = [roles["full"]["intervals"]["recall"], roles["full"]["intervals"]["oracle"],
+              roles["reuse"]["intervals"]["recall"], roles["reuse"]["intervals"]["oracle"],
+              roles["reindex"]["intervals"]["recall"], roles["reindex"]["intervals"]["scan"], blocks[64], blocks[128],
+              first["recall"], last["recall"], last["oracle"]]
+    for iv in quoted:
+        assert stats.interval_text(iv, ".3f") in prose, iv
+    assert f"{long['peak_gib']:.2f} GiB" in prose
