@@ -12,10 +12,10 @@ that no training row holds (`train.data.TEMPLATES`). Each cell's prompts are rea
 is predicted from the prompt and the answer tokens before it, which is exactly greedy decoding producing the answer
 (the forward pass equals prefill + decode), under the SPEC §8 numerics. A policy reads from the first answer step on
 (`research.selection.KVSelection`, `start` = the last prompt position); the prompt itself is the prefill and reads
-the model's own top-k. Per cell: `exact` the share of prompts whose whole answer is right (Wilson interval over
-prompts, the independent unit), `digits` the share of answer digits right (chance 0.1; Wilson over digits, which are
-correlated within a prompt, so narrower than its evidence), `bits` the answer digits' bits (mean over prompts,
-bootstrap).
+the model's own top-k. Per cell, each with a 95 % interval over its prompts, the independent unit: `exact` the share
+of prompts whose whole answer is right (Wilson), `digits` the share of answer digits right (chance 0.1; each
+prompt's share, averaged, bootstrap: the digits of one answer are not independent), `bits` the answer digits' bits
+(mean over prompts, bootstrap).
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def answer_logprobs(cfg: ModelConfig, params, tokens: np.ndarray, answer_len: in
 def grid(cfg: ModelConfig, params, task: Task, lengths: Sequence[int], depths: Sequence[float], samples: int, *,
          policy: selection.Policy | None = None, batch: int = 8, seed: int = 0,
          template: str = "train") -> dict[str, dict[str, dict]]:
-    """{length: {depth: {"exact", "digits", "bits"}}} (see the module docstring), `samples` prompts per cell in the
+    """{length: {depth: {"right", "exact", "digits", "digits_by_prompt", "bits"}}} (see the module docstring;
+    `right`: how many prompts' answers are right whole; `digits_by_prompt`: each prompt's share of digits right, what
+    `by_length` pools), `samples` (≥ 2) prompts per cell in the
     wording of `template` ("held_out": never trained on) read `batch` rows at a time (the last batch padded with
     its first rows, so every batch of a length has one shape)."""
     out = {}
@@ -94,10 +96,11 @@ def grid(cfg: ModelConfig, params, task: Task, lengths: Sequence[int], depths: S
                 keep = min(batch, samples - i)
                 scores.append({k: v[:keep] for k, v in answer_scores(lp, answers[rows], 0, mask).items()})
             per = {k: np.concatenate([s[k] for s in scores]) for k in scores[0]}
-            right = int(round(float(np.sum(per["digits"] * mask.sum()))))
             out[str(length)][f"{depth:g}"] = {
+                "right": int(per["exact"].sum()),
                 "exact": stats.proportion_interval(int(per["exact"].sum()), samples).as_dict(),
-                "digits": stats.proportion_interval(right, samples * int(mask.sum())).as_dict(),
+                "digits": stats.mean_interval(per["digits"]).as_dict(),
+                "digits_by_prompt": [round(float(x), 4) for x in per["digits"]],
                 "bits": stats.mean_interval(per["bits"]).as_dict()}
     return out
 
@@ -107,3 +110,16 @@ def heatmap(cells: dict[str, dict[str, dict]], measure: str = "exact") -> tuple[
     lengths = list(cells)
     depths = list(cells[lengths[0]])
     return lengths, depths, np.array([[cells[n][d][measure]["value"] for d in depths] for n in lengths])
+
+
+def by_length(cells: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    """{length: {"exact", "digits"}} of a `grid` row pooled over its depths, over all their prompts: the answers right
+    whole as a share of the prompts (Wilson), the digits right as a mean of the prompts' shares (bootstrap), each as
+    `Interval.as_dict()`."""
+    out = {}
+    for length, row in cells.items():
+        right = sum(c["right"] for c in row.values())
+        digits = np.concatenate([c["digits_by_prompt"] for c in row.values()])
+        out[length] = {"exact": stats.proportion_interval(right, len(digits)).as_dict(),
+                       "digits": stats.mean_interval(digits).as_dict()}
+    return out

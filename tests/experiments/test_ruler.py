@@ -9,6 +9,7 @@ import pytest
 from csa2 import model
 from experiments import ruler
 from experiments.kv_selection import answer_scores
+from infer import stats
 from research import selection
 from train import longctx
 
@@ -65,13 +66,29 @@ def test_a_grid_cell_is_its_prompts_read_teacher_forced(fast_model):
         lp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
         want = answer_scores(lp, answers, 200 - 1, mask)
         cell = cells["200"][f"{depth:g}"]
-        assert (cell["exact"]["n"], cell["digits"]["n"], cell["bits"]["n"]) == (3, 3 * 12, 3)  # 3 values of 4 digits
+        assert (cell["exact"]["n"], cell["digits"]["n"], cell["bits"]["n"]) == (3, 3, 3)  # intervals over the prompts
+        np.testing.assert_allclose(cell["digits_by_prompt"], want["digits"], atol=1e-4)
+        assert cell["right"] == want["exact"].sum()
         assert cell["exact"]["value"] == pytest.approx(want["exact"].mean(), abs=1e-3)
         assert cell["digits"]["value"] == pytest.approx(want["digits"].mean(), abs=1e-3)
         assert cell["bits"]["value"] == pytest.approx(want["bits"].mean(), abs=2e-3)
     lengths, depths, values = ruler.heatmap(cells, "bits")
     assert (lengths, depths) == (["200"], ["0.2", "0.8"]) and values.shape == (1, 2)
     assert values[0, 1] == cells["200"]["0.8"]["bits"]["value"]
+
+
+def test_by_length_pools_the_prompts_of_every_depth():
+    """3 of 4 prompts right at one depth and 0 of 4 at the other: 3 of 8 at that length, Wilson over the 8; the
+    digits the mean of the 8 prompts' shares with a bootstrap over them."""
+    def cell(digits):
+        right = sum(d == 1 for d in digits)
+        return {"right": right, "exact": stats.proportion_interval(right, len(digits)).as_dict(),
+                "digits_by_prompt": digits}
+    low, high = [1.0, 1.0, 1.0, 0.5], [0.0, 0.25, 0.25, 0.5]
+    pooled = ruler.by_length({"256": {"0.1": cell(low), "0.9": cell(high)}, "512": {"0.1": cell([1.0, 1.0])}})
+    assert pooled["256"]["exact"] == stats.proportion_interval(3, 8).as_dict()
+    assert pooled["256"]["digits"] == stats.mean_interval(low + high).as_dict()
+    assert pooled["512"]["exact"] == stats.proportion_interval(2, 2).as_dict()
 
 
 def test_a_policy_reads_the_answer_steps(fast_model):
