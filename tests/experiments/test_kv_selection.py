@@ -1,12 +1,15 @@
-"""The KV-selection measures (`experiments.kv_selection`) on hand cases with known answers; the policies
-themselves run in `tests/csa2/test_selection*.py` and the whole table in the notebook's fast run."""
+"""The KV-selection measures (`experiments.kv_selection`) on hand cases with known answers, and the notebook's
+committed results; the policies themselves run in `tests/csa2/test_selection*.py` and the whole table in the
+notebook's fast run."""
 
+import nbformat
 import numpy as np
 import pytest
 
 from csa2.layout import layer_plan
 from csa2.presets import preset
-from experiments import kv_selection as kv
+from experiments import kv_selection as kv, results
+from infer import stats
 from research import selection
 from research.probe import Probe
 from research.probe_stats import Summary
@@ -114,3 +117,39 @@ def test_format_table_has_a_line_per_row_and_states_each_intervals_n():
     for r in rows:  # one prompt: no intervals, plain figures
         r.update(passkey_intervals=None, bpb_interval=None)
     assert kv.format_table(rows, ("passkey_digits", "bpb")).splitlines()[1].split()[2:] == ["0.500", "0.500"]
+
+
+def test_the_committed_results_hold_the_policies_definitions():
+    """notebooks/kv_selection.json, the notebook's full run: at least 64 held-out-wording prompts per retrieval task
+    and every interval on the prompts (or text rows) it was measured on; the policies that evict nothing keep every
+    entry and lose no mass, the evicting ones keep less than all; no policy but PyramidKV (per-layer budgets, equal
+    on average) reads more entries per step than the budget."""
+    got = results.load("kv_selection", fast=False)
+    sizes = got["sizes"]
+    assert not got["fast"] and sizes["prompts"] >= 64 and sizes["template"] == "held_out"
+    assert {(r["budget"], r["policy"]) for r in got["rows"]} == {(b, p) for b in sizes["budgets"] for p in kv.NAMES}
+    for r in got["rows"]:
+        for column in kv.COLUMNS:
+            assert kv.interval_of(r, column)["n"] == (sizes["text_rows"] if column == "bpb" else sizes["prompts"])
+        if r["evicts"]:
+            assert r["kept"] < 1, r["policy"]
+        else:
+            assert (r["kept"], r["lost"]) == (1.0, 0.0), r["policy"]
+        if r["policy"] != "pyramidkv":
+            assert r["reads"] <= r["budget"] + 1e-9, r["policy"]
+
+
+def test_the_notebooks_prose_quotes_its_results():
+    """The headline figures of the notebook's reading are the saved results, so a re-run that moves them fails
+    here until the prose is rewritten."""
+    got = results.load("kv_selection", fast=False)
+    prose = " ".join(nbformat.read(results.ROOT / "notebooks" / "kv_selection.ipynb",
+                                   as_version=4).cells[-1].source.split())
+    at = {r["policy"]: r for r in got["rows"] if r["budget"] == 128}
+    quoted = [(at["csa2"], "recall"), (at["oracle"], "recall"), (at["snapkv"], "recall"),
+              (at["csa2"], "passkey_digits"), (at["snapkv"], "passkey_digits"), (at["oracle"], "passkey_digits"),
+              (at["csa2"], "needles_digits"), (at["snapkv"], "needles_digits"), (at["csa2"], "passkey_needle"),
+              (at["oracle"], "passkey_needle"), (at["snapkv"], "passkey_needle")]
+    for row, column in quoted:
+        assert stats.interval_text(kv.interval_of(row, column), ".3f") in prose, (row["policy"], column)
+    assert f"{got['seconds']:,.0f} s for the table" in prose
