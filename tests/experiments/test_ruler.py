@@ -3,11 +3,12 @@ checkpoint under the model's own top-k and under a policy."""
 
 import jax
 import jax.numpy as jnp
+import nbformat
 import numpy as np
 import pytest
 
 from csa2 import model
-from experiments import ruler
+from experiments import results, ruler
 from experiments.kv_selection import answer_scores
 from infer import stats
 from research import selection
@@ -108,3 +109,37 @@ def test_held_out_prompts_are_the_same_tasks_in_other_words():
     np.testing.assert_array_equal(held_answers, answers)  # the same draws: the same keys asked
     np.testing.assert_array_equal(held_mask, mask)
     assert held.shape == train.shape and not np.array_equal(held, train)
+
+
+def test_the_committed_results_are_their_prompts():
+    """notebooks/ruler.json, the notebook's full run: at least 64 held-out-wording prompts per cell up to the
+    longest training length; each cell's figures are what its per-prompt records give, and the by-length figures
+    pool those cells."""
+    got = results.load("ruler", fast=False)
+    sizes = got["sizes"]
+    assert not got["fast"] and sizes["samples"] >= 64 and sizes["template"] == "held_out"
+    assert max(sizes["lengths"]) == 2048
+    for name, by_task in got["grids"].items():
+        assert set(by_task) == set(ruler.TASKS)
+        for task, cells in by_task.items():
+            for row in cells.values():
+                for cell in row.values():
+                    n = len(cell["digits_by_prompt"])
+                    assert n == cell["exact"]["n"] == cell["digits"]["n"] == sizes["samples"]
+                    assert cell["exact"]["value"] == pytest.approx(cell["right"] / n, abs=1e-3)
+                    assert cell["digits"]["value"] == pytest.approx(np.mean(cell["digits_by_prompt"]), abs=1e-3)
+            assert got["by_length"][name][task] == ruler.by_length(cells)
+
+
+def test_the_notebooks_prose_quotes_its_results():
+    """The headline figures of the notebook's reading are the saved results, so a re-run that moves them fails
+    here until the prose is rewritten."""
+    got = results.load("ruler", fast=False)
+    prose = " ".join(nbformat.read(results.ROOT / "notebooks" / "ruler.ipynb", as_version=4).cells[-1].source.split())
+    by_length, cells = got["by_length"]["csa2"], got["grids"]["csa2"]
+    quoted = [by_length[task][n]["digits"] for task in ruler.TASKS for n in ("256", "2048")]
+    quoted += [cells[task]["2048"][depth]["digits"] for task in ("single", "multikey") for depth in ("0.1", "0.9")]
+    quoted.append(by_length["single"]["2048"]["exact"])
+    for iv in quoted:
+        assert stats.interval_text(iv) in prose, iv
+    assert f"{got['seconds']['csa2']:.0f} s for the grids" in prose
