@@ -11,7 +11,8 @@ IDS = [p.stem for p in NOTEBOOKS]
 
 
 def test_there_are_notebooks():
-    assert {p.stem for p in NOTEBOOKS} >= {"replay_windows", "fp4_qat", "topk_candidates", "kv_selection"}
+    assert {p.stem for p in NOTEBOOKS} >= {"replay_windows", "fp4_qat", "topk_candidates", "kv_selection", "dspark",
+                                           "ruler"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
