@@ -192,15 +192,15 @@ def recall_by_position(cfg: ModelConfig, rec: Summary, edges) -> dict[str, dict]
     edges = np.asarray(edges)
     out = {}
     for role, layers in _roles(cfg).items():
+        per_layer = [(counted(cfg, layer, rec), {key: share(got, rec.total[layer]) for key, got in
+                                                 (("recall", rec.read[layer]), ("oracle", rec.oracle[layer]))})
+                     for layer in layers]  # each layer's counted queries [B, S] and per-query shares [B, S]
+        pos = np.arange(rec.total.shape[-1])
         parts = []  # per bin: {measure: (sums [B], counts [B])} pooled over the role's layers
         for lo, hi in zip(edges[:-1], edges[1:]):
-            per_layer = []
-            for layer in layers:
-                total, pos = rec.total[layer], np.arange(rec.total[layer].shape[-1])
-                inside = counted(cfg, layer, rec) & (pos >= lo) & (pos < hi)
-                per_layer.append({key: _per_prompt(share(got, total), inside)
-                                  for key, got in (("recall", rec.read[layer]), ("oracle", rec.oracle[layer]))})
-            parts.append({key: (sum(p[key][0] for p in per_layer), sum(p[key][1] for p in per_layer))
+            sums = [{key: _per_prompt(x, where & (pos >= lo) & (pos < hi)) for key, x in shares.items()}
+                    for where, shares in per_layer]
+            parts.append({key: (sum(p[key][0] for p in sums), sum(p[key][1] for p in sums))
                           for key in ("recall", "oracle")})
         out[role] = {"edges": edges.tolist(),
                      "value": {key: [float(np.sum(p[key][0]) / np.sum(p[key][1])) if np.sum(p[key][1]) else
