@@ -96,9 +96,9 @@ def grid(cfg: ModelConfig, params, task: Task, lengths: Sequence[int], depths: S
                 keep = min(batch, samples - i)
                 scores.append({k: v[:keep] for k, v in answer_scores(lp, answers[rows], 0, mask).items()})
             per = {k: np.concatenate([s[k] for s in scores]) for k in scores[0]}
+            right = int(per["exact"].sum())
             out[str(length)][f"{depth:g}"] = {
-                "right": int(per["exact"].sum()),
-                "exact": stats.proportion_interval(int(per["exact"].sum()), samples).as_dict(),
+                "right": right, "exact": stats.proportion_interval(right, samples).as_dict(),
                 "digits": stats.mean_interval(per["digits"]).as_dict(),
                 "digits_by_prompt": [round(float(x), 4) for x in per["digits"]],
                 "bits": stats.mean_interval(per["bits"]).as_dict()}
