@@ -2,6 +2,12 @@
 intervals. `python -m experiments.recipe_ablations [--fast]` trains and scores all of it (`run`; runs cached under
 `runs/recipe-ablations`, resumable) and writes the results JSON (`experiments.results`).
 
+The whole of it is about 20 runs of most of an hour each on a 2-core CPU, more than one sitting, so every score is
+recorded as it is measured in a ledger committed beside the notebook (`notebooks/recipe_ablations.runs.json`,
+`experiments.ledger`, keyed on each run's whole recipe) and read from there by later runs and by clones.
+`--part`, `--arm` and `--seed` record a slice only (`record`), e.g. two processes each training one arm, and print
+what is still to train (`missing`).
+
 - `init_scale`: the control task `HiddenDigit` (one digit hidden among random letters, asked for at the end),
   trained from several initializer scales on the same seeds. The released `initializer_range` 0.02 is sized for
   d = 5120; at the `demo` preset's d = 64 a query or an attention output passes two projections of gain ≈ 0.16.
@@ -38,7 +44,7 @@ from csa2.checkpoints import native
 from csa2.config import ModelConfig
 from csa2.presets import BOS_ID, preset
 from csa2.tokenizer import encode
-from experiments import results
+from experiments import ledger as ledger_lib, results
 from infer import stats
 from infer.schedule import config_fingerprint
 from train import longctx
@@ -115,27 +121,37 @@ def hidden_digit_score(cfg: ModelConfig, params, spec: HiddenDigit, *, batch: in
 
 
 def init_scale(spec: HiddenDigit, stds: Sequence[float], seeds: Sequence[int], out: str | pathlib.Path, *,
-               log: Callable[[str], None] = lambda _: None) -> dict:
+               ledger: str | pathlib.Path | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
     """{"runs": {std: {seed: score}}, "across_seeds": {std: t interval of "all" over the seeds}, "vs_first": {std:
     t interval of the per-seed difference to the first std}} (`hidden_digit_score`; keys are strings, as in JSON;
-    with one seed the across-seed entries are None). Each run trains into `out/std<std>/seed<k>` (a finished run
-    is reused, a partial one resumed, a directory of another recipe refused)."""
+    with one seed the across-seed entries are None). A score the `ledger` records is read from it; otherwise its run
+    trains into `out/std<std>/seed<k>` (a finished run is reused, a partial one resumed, a directory of another
+    recipe refused) and the score is recorded."""
     runs = {}
     for std in stds:
         cfg = preset(spec.preset).replace(initializer_range=std)
         runs[f"{std:g}"] = {}
         for seed in seeds:
             path = pathlib.Path(out) / f"std{std:g}" / f"seed{seed}"
-            recipe = {"task": "hidden_digit", "config": config_fingerprint(cfg), **dataclasses.asdict(spec),
-                      "seed": seed}
-            with longctx.lock(path):
-                longctx.claim(path, recipe)
-                state = train(cfg, spec.train_config(seed), _hidden_digit_batches(spec, seed), path,
-                              resume=native.latest_step(path) is not None, log=log, bar=False)
-            runs[f"{std:g}"][str(seed)] = score = hidden_digit_score(cfg, state.params, spec)
+            recipe = _hidden_digit_recipe(spec, std, seed)
+
+            def measure():
+                with longctx.lock(path):
+                    longctx.claim(path, recipe)
+                    state = train(cfg, spec.train_config(seed), _hidden_digit_batches(spec, seed), path,
+                                  resume=native.latest_step(path) is not None, log=log, bar=False)
+                return hidden_digit_score(cfg, state.params, spec)
+
+            runs[f"{std:g}"][str(seed)] = score = ledger_lib.cached(ledger, recipe, "hidden_digit", measure)
             log(f"std {std:g} seed {seed}: {score['all']}")
     return {"runs": runs, **_across_seeds({std: {s: r["all"]["value"] for s, r in by_seed.items()}
                                            for std, by_seed in runs.items()})}
+
+
+def _hidden_digit_recipe(spec: HiddenDigit, std: float, seed: int) -> dict:
+    """Everything a hidden-digit run depends on: its run directory's recipe and its ledger key."""
+    cfg = preset(spec.preset).replace(initializer_range=std)
+    return {"task": "hidden_digit", "config": config_fingerprint(cfg), **dataclasses.asdict(spec), "seed": seed}
 
 
 def _hidden_digit_batches(spec: HiddenDigit, seed: int):
@@ -170,7 +186,8 @@ def read_scores(hit: np.ndarray, logp: np.ndarray) -> dict[str, dict]:
 
 
 def ablate(base: LongCtxRecipe, arms: Mapping[str, Mapping], seeds: Sequence[int], out: str | pathlib.Path, *,
-           curve_every: int = 0, log: Callable[[str], None] = lambda _: None) -> dict:
+           curve_every: int = 0, ledger: str | pathlib.Path | None = None,
+           log: Callable[[str], None] = lambda _: None) -> dict:
     """Every arm (name → `LongCtxRecipe` field overrides on `base`) trained on every seed and scored by
     `passkey_scores`: {"runs": {arm: {seed: scores}}, "across_seeds": {arm: {length: {measure: t interval}}},
     "vs_first": {arm: {length: {measure: t interval of the per-seed difference to the first arm}}}}; with one seed
@@ -178,15 +195,19 @@ def ablate(base: LongCtxRecipe, arms: Mapping[str, Mapping], seeds: Sequence[int
 
     `curve_every` > 0 also scores every run at each multiple of that many steps while it trains (when retrieval
     emerges), kept in the run's `curve.json` and returned as {"curves": {arm: {seed: {step: scores}}}}; a step
-    already trained past when the curve is first asked for has no score."""
+    already trained past when the curve is first asked for has no score. Scores and curves the `ledger` records
+    are read from it; what it lacks is measured (training the run) and recorded."""
     runs, curves = {}, {}
     for arm, overrides in arms.items():
         runs[arm], curves[arm] = {}, {}
         for seed in seeds:
             recipe = dataclasses.replace(base, **overrides, seed=seed)
+            key = run_recipe(recipe)
             if curve_every:
-                curves[arm][str(seed)] = _curve(recipe, out, arm, curve_every, log)
-            runs[arm][str(seed)] = scores = passkey_scores(*_fitted(recipe, out, arm, log), recipe)
+                curves[arm][str(seed)] = ledger_lib.cached(ledger, key, _curve_part(curve_every),
+                                                           lambda: _curve(recipe, out, arm, curve_every, log))
+            runs[arm][str(seed)] = scores = ledger_lib.cached(
+                ledger, key, "passkey", lambda: passkey_scores(*_fitted(recipe, out, arm, log), recipe))
             log(f"{arm} seed {seed}: " + ", ".join(f"{n} tokens digits {s['digits']['value']:.2f}"
                                                     for n, s in scores.items()))
     per_measure = {}
@@ -199,6 +220,13 @@ def ablate(base: LongCtxRecipe, arms: Mapping[str, Mapping], seeds: Sequence[int
                                           for length in map(str, base.eval_lengths)} for arm in arms}
                              for part in ("across_seeds", "vs_first")},
             **({"curves": curves} if curve_every else {})}
+
+
+def run_recipe(recipe: LongCtxRecipe) -> dict:
+    """A long-context run's ledger recipe: every field of `recipe` and the fingerprint of the model config it builds
+    (a preset whose definition changed under the same name is another run)."""
+    return {"recipe": json.loads(json.dumps(dataclasses.asdict(recipe))),
+            "config": config_fingerprint(recipe.config())}
 
 
 def _curve(recipe: LongCtxRecipe, out: str | pathlib.Path, arm: str, every: int, log) -> dict[str, dict]:
@@ -250,19 +278,28 @@ def read_budget(cfg: ModelConfig, params, recipe: LongCtxRecipe, budgets: Mappin
 
 def budget_sweep(base: LongCtxRecipe, arms: Mapping[str, Mapping], arm: str, seeds: Sequence[int],
                  out: str | pathlib.Path, budgets: Mapping[str, tuple[int, int]], *,
-                 log: Callable[[str], None] = lambda _: None) -> dict:
+                 ledger: str | pathlib.Path | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
     """`read_budget` on each seed's checkpoint of the `ablate` arm `arms[arm]` (the runs `ablate` trains into `out`;
     trained here when missing): {"runs": {seed: read_budget}, "across_seeds": {budget: {length: t interval of
     digits right over the seeds}}, "vs_first": {budget: {length: t interval of the per-seed difference to the first
-    budget}}}."""
+    budget}}}. Sweeps the `ledger` records (under the run and the budgets) are read from it."""
     runs = {}
     for seed in seeds:
         recipe = dataclasses.replace(base, **arms[arm], seed=seed)
-        runs[str(seed)] = read_budget(*_fitted(recipe, out, arm, log), recipe, budgets)
+        runs[str(seed)] = ledger_lib.cached(ledger, run_recipe(recipe), _budget_part(budgets),
+                                            lambda: read_budget(*_fitted(recipe, out, arm, log), recipe, budgets))
     per_length = {n: _across_seeds({b: {s: r[b][n]["digits"]["value"] for s, r in runs.items()} for b in budgets})
                   for n in map(str, base.eval_lengths)}
     return {"runs": runs, **{part: {b: {n: per_length[n][part][b] for n in per_length} for b in budgets}
                              for part in ("across_seeds", "vs_first")}}
+
+
+def _curve_part(every: int) -> str:
+    return f"curve every {every}"
+
+
+def _budget_part(budgets: Mapping[str, tuple[int, int]]) -> str:
+    return "read budgets " + json.dumps({name: list(b) for name, b in budgets.items()})
 
 
 def _run_dir(out: str | pathlib.Path, arm: str, seed: int) -> pathlib.Path:
@@ -288,7 +325,7 @@ class Settings:
     """Everything `run` trains and scores: the init-scale control (`task` from each of `stds`), the recipe arms
     (`arms` on `base`, each also scored every `curve_every` steps while it trains; 0: at the end only), the
     inference budgets read by the checkpoints of `arms[budget_arm]`, on every seed of `seeds`, with runs under
-    `out`."""
+    `out` and their scores recorded in `ledger` (`experiments.ledger`; None: none)."""
 
     task: HiddenDigit
     stds: tuple[float, ...]
@@ -298,6 +335,7 @@ class Settings:
     budgets: Mapping[str, tuple[int, int]]
     seeds: tuple[int, ...]
     out: str
+    ledger: str | None = None
     curve_every: int = 0
 
     def __post_init__(self) -> None:
@@ -324,6 +362,7 @@ FULL = Settings(
     budgets={"top-k 32, 8 blocks": (32, 8), "64, 16": (64, 16), "128, 32": (128, 32), "256, 64": (256, 64)},
     seeds=(0, 1, 2),
     out="runs/recipe-ablations",
+    ledger="notebooks/recipe_ablations.runs.json",  # committed: a clone reads the runs instead of training them
     curve_every=150)
 
 # CI sizes (`--fast`, CSA2_FAST=1; tests/experiments/test_recipe_ablations.py): the arms share one model
@@ -337,7 +376,8 @@ FAST = Settings(
     budget_arm="recipe",
     budgets={"as trained": (128, 32), "top-k 32, 8 blocks": (32, 8)},
     seeds=(0, 1),
-    out="runs/recipe-ablations-fast")
+    out="runs/recipe-ablations-fast",
+    ledger="runs/recipe-ablations-fast/ledger.json")
 
 
 def settings(fast: bool | None = None) -> Settings:
@@ -348,9 +388,52 @@ def settings(fast: bool | None = None) -> Settings:
 def run(s: Settings, *, log: Callable[[str], None] = lambda _: None) -> dict:
     """{"init_scale", "ablate", "read_budget"}: the three experiments of `s` (runs trained into `s.out`, or
     restored from it)."""
-    return {"init_scale": init_scale(s.task, s.stds, s.seeds, pathlib.Path(s.out) / "init-scale", log=log),
-            "ablate": ablate(s.base, s.arms, s.seeds, s.out, curve_every=s.curve_every, log=log),
-            "read_budget": budget_sweep(s.base, s.arms, s.budget_arm, s.seeds, s.out, s.budgets, log=log)}
+    return {"init_scale": init_scale(s.task, s.stds, s.seeds, pathlib.Path(s.out) / "init-scale", ledger=s.ledger,
+                                     log=log),
+            "ablate": ablate(s.base, s.arms, s.seeds, s.out, curve_every=s.curve_every, ledger=s.ledger, log=log),
+            "read_budget": budget_sweep(s.base, s.arms, s.budget_arm, s.seeds, s.out, s.budgets, ledger=s.ledger,
+                                        log=log)}
+
+
+PARTS = ("init_scale", "ablate", "read_budget")
+
+
+def record(s: Settings, *, parts: Sequence[str] = PARTS, arms: Sequence[str] | None = None,
+           seeds: Sequence[int] | None = None, log: Callable[[str], None] = lambda _: None) -> None:
+    """Train and score part of `s` into its ledger: the experiments `parts`, the ablation arms `arms` (and the read
+    budgets when the budget arm is among them), the seeds `seeds` (None: all of each). Several processes may each
+    record a part at once; `run` then reads everything from the ledger."""
+    if s.ledger is None:
+        raise ValueError("Settings.ledger=None: record keeps what it measures in a ledger; give Settings a ledger "
+                         "path")
+    for name, given, known in (("parts", parts, PARTS), ("arms", arms or (), tuple(s.arms)),
+                               ("seeds", seeds or (), s.seeds)):
+        if unknown := [x for x in given if x not in known]:
+            raise ValueError(f"{name}={list(given)}: {unknown} not among {list(known)}; name some of those")
+    arms, seeds = list(s.arms) if arms is None else list(arms), s.seeds if seeds is None else tuple(seeds)
+    if "init_scale" in parts:
+        init_scale(s.task, s.stds, seeds, pathlib.Path(s.out) / "init-scale", ledger=s.ledger, log=log)
+    if "ablate" in parts:
+        ablate(s.base, {arm: s.arms[arm] for arm in arms}, seeds, s.out, curve_every=s.curve_every, ledger=s.ledger,
+               log=log)
+    if "read_budget" in parts and s.budget_arm in arms:
+        budget_sweep(s.base, s.arms, s.budget_arm, seeds, s.out, s.budgets, ledger=s.ledger, log=log)
+
+
+def missing(s: Settings) -> list[str]:
+    """What `s.ledger` does not record yet, one line per run (with the parts it lacks): what is left to train."""
+    if s.ledger is None:
+        return ["everything (Settings.ledger=None)"]
+    left = [f"init_scale std {std:g} seed {seed}" for std in s.stds for seed in s.seeds
+            if ledger_lib.lookup(s.ledger, _hidden_digit_recipe(s.task, std, seed), "hidden_digit") is None]
+    for arm, overrides in s.arms.items():
+        for seed in s.seeds:
+            parts = (["passkey"] + [_curve_part(s.curve_every)] * bool(s.curve_every)
+                     + [_budget_part(s.budgets)] * (arm == s.budget_arm))
+            key = run_recipe(dataclasses.replace(s.base, **overrides, seed=seed))
+            if lacking := [p for p in parts if ledger_lib.lookup(s.ledger, key, p) is None]:
+                left.append(f"ablate arm {arm!r} seed {seed}: {', '.join(lacking)}")
+    return left
 
 
 def claims(res: dict) -> list[str]:
@@ -382,12 +465,24 @@ def _claim(label: str, what: str, iv: dict | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.recipe_ablations", description=__doc__.split("\n\n")[0])
     p.add_argument("--fast", action="store_true", help="CI sizes (as CSA2_FAST=1)")
+    p.add_argument("--part", action="append", choices=PARTS,
+                   help="record only this experiment into the ledger (repeat for several); no results file")
+    p.add_argument("--arm", action="append", help="record only this ablation arm (repeat for several)")
+    p.add_argument("--seed", action="append", type=int, help="record only this seed (repeat for several)")
     compile_cache.add_argument(p)
     args = p.parse_args(argv)
     compile_cache.enable_cli(p, args.compile_cache)
     fast = longctx.fast_mode(args.fast or None)
-    out = run(settings(fast), log=lambda line: print(line, flush=True))
-    print(f"results: {results.save('recipe_ablations', out, fast=fast)}")
+    s, log = settings(fast), lambda line: print(line, flush=True)
+    if args.part or args.arm or args.seed:
+        try:
+            record(s, parts=args.part or PARTS, arms=args.arm, seeds=args.seed, log=log)
+        except ValueError as e:
+            p.error(str(e))
+        left = missing(s)
+        print(f"recorded in {s.ledger}; still to train: " + ("; ".join(left) if left else "nothing"))
+        return 0
+    print(f"results: {results.save('recipe_ablations', run(s, log=log), fast=fast)}")
     return 0
 
 

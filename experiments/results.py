@@ -27,7 +27,7 @@ def path(name: str, *, fast: bool) -> pathlib.Path:
 def save(name: str, results: dict, *, fast: bool) -> pathlib.Path:
     """Check `results`, write them as the results of notebook `name` (with `"fast": fast`) and return the path.
     NumPy scalars (a measured `np.float32`, a count as `np.int64`) are written as the Python numbers they hold."""
-    results = json.loads(json.dumps({"notebook": name, "fast": fast, **results}, default=_number))
+    results = json.loads(json.dumps({"notebook": name, "fast": fast, **results}, default=plain_number))
     check(results)
     out = path(name, fast=fast)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -35,7 +35,8 @@ def save(name: str, results: dict, *, fast: bool) -> pathlib.Path:
     return out
 
 
-def _number(value):
+def plain_number(value):
+    """A NumPy scalar as the Python number it holds (for `json.dumps(default=)`); anything else not JSON is refused."""
     if isinstance(value, np.generic) and value.ndim == 0:
         return value.item()
     raise TypeError(f"results: {value!r} ({type(value).__name__}) is not a JSON value; store numbers, strings, "

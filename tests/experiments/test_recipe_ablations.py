@@ -93,6 +93,46 @@ def test_finished_runs_are_reused_and_another_recipe_is_refused(done):
         ra.init_scale(dataclasses.replace(S.task, lr=1.0), S.stds, S.seeds, f"{S.out}/init-scale")
 
 
+def test_a_clone_reads_the_ledger_instead_of_training(done, tmp_path):
+    """With every score in the ledger, `run` on an empty runs directory trains nothing and gives the same results."""
+    assert ra.missing(S) == []
+    assert ra.run(dataclasses.replace(S, out=str(tmp_path / "runs"))) == done
+    assert not (tmp_path / "runs").exists()
+
+
+def test_record_trains_a_slice_and_missing_says_what_is_left(done, tmp_path):
+    s = dataclasses.replace(S, ledger=str(tmp_path / "ledger.json"))  # the fixture's runs, an empty ledger
+    left = ra.missing(s)
+    assert len(left) == len(S.stds) * len(S.seeds) + len(S.arms) * len(S.seeds)
+    assert "ablate arm 'recipe' seed 0: passkey, read budgets" in "\n".join(left)
+    ra.record(s, parts=["ablate"], arms=["no induction rows"], seeds=[1])  # restored from S.out: no step trains
+    assert ra.missing(s) == [line for line in left if line != "ablate arm 'no induction rows' seed 1: passkey"]
+    assert ra.ablate(S.base, {"no induction rows": {"repeat_share": 0.0}}, (1,), "nowhere", ledger=s.ledger)[
+        "runs"] == {"no induction rows": {"1": done["ablate"]["runs"]["no induction rows"]["1"]}}
+    ra.record(s, parts=["read_budget"], arms=["recipe"])  # the budget arm's sweeps, every seed
+    assert not any("read budgets" in line for line in ra.missing(s))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"arms": ["nope"]}, r"arms=\['nope'\]: \['nope'\] not among"),
+    ({"seeds": [7]}, r"seeds=\[7\]: \[7\] not among"),
+    ({"parts": ["other"]}, r"parts=\['other'\]"),
+])
+def test_record_refuses_what_the_settings_do_not_hold(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ra.record(S, **kwargs)
+    with pytest.raises(ValueError, match="Settings.ledger=None"):
+        ra.record(dataclasses.replace(S, ledger=None))
+
+
+def test_the_command_records_a_slice(done, capsys):
+    assert ra.main(["--fast", "--part", "ablate", "--arm", "recipe", "--seed", "0"]) == 0
+    assert "still to train: nothing" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        ra.main(["--fast", "--arm", "nope"])
+    assert exit_.value.code == 2 and "arms=['nope']" in capsys.readouterr().err
+
+
 def test_claims_say_whether_an_interval_excludes_zero(done):
     lines = ra.claims(done)
     comparisons = (len(S.stds) - 1) + (len(S.arms) - 1 + len(S.budgets) - 1) * len(S.base.eval_lengths)
