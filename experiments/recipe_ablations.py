@@ -144,8 +144,8 @@ def init_scale(spec: HiddenDigit, stds: Sequence[float], seeds: Sequence[int], o
 
             runs[f"{std:g}"][str(seed)] = score = ledger_lib.cached(ledger, recipe, "hidden_digit", measure)
             log(f"std {std:g} seed {seed}: {score['all']}")
-    return {"runs": runs, **_across_seeds({std: {s: r["all"]["value"] for s, r in by_seed.items()}
-                                           for std, by_seed in runs.items()})}
+    return {"runs": runs, **across_seeds({std: {s: r["all"]["value"] for s, r in by_seed.items()}
+                                          for std, by_seed in runs.items()})}
 
 
 def _hidden_digit_recipe(spec: HiddenDigit, std: float, seed: int) -> dict:
@@ -213,7 +213,7 @@ def ablate(base: LongCtxRecipe, arms: Mapping[str, Mapping], seeds: Sequence[int
     per_measure = {}
     for length in map(str, base.eval_lengths):
         for measure in ("keys", "digits", "bits"):
-            per_measure[length, measure] = _across_seeds(
+            per_measure[length, measure] = across_seeds(
                 {arm: {s: r[length][measure]["value"] for s, r in by_seed.items()} for arm, by_seed in runs.items()})
     return {"runs": runs, **{part: {arm: {length: {measure: per_measure[length, measure][part][arm]
                                                    for measure in ("keys", "digits", "bits")}
@@ -244,13 +244,13 @@ def _curve(recipe: LongCtxRecipe, out: str | pathlib.Path, arm: str, every: int,
     return curve
 
 
-def _across_seeds(values: Mapping[str, Mapping[str, float]]) -> dict:
+def across_seeds(values: Mapping[str, Mapping[str, float]], *, digits: int = 3) -> dict:
     """{"across_seeds": {arm: t interval over its seeds}, "vs_first": {arm: t interval of its per-seed difference
-    to the first arm (the seeds both ran)}}; None where fewer than 2 seeds."""
+    to the first arm (the seeds both ran)}}, rounded to `digits` decimals; None where fewer than 2 seeds."""
     first = next(iter(values.values()))
 
     def interval(v):
-        return stats.seed_interval(v).as_dict() if len(v) >= 2 else None
+        return stats.seed_interval(v).as_dict(digits) if len(v) >= 2 else None
 
     return {"across_seeds": {arm: interval(list(v.values())) for arm, v in values.items()},
             "vs_first": {arm: interval([v[s] - first[s] for s in v if s in first]) for arm, v in values.items()}}
@@ -288,7 +288,7 @@ def budget_sweep(base: LongCtxRecipe, arms: Mapping[str, Mapping], arm: str, see
         recipe = dataclasses.replace(base, **arms[arm], seed=seed)
         runs[str(seed)] = ledger_lib.cached(ledger, run_recipe(recipe), _budget_part(budgets),
                                             lambda: read_budget(*_fitted(recipe, out, arm, log), recipe, budgets))
-    per_length = {n: _across_seeds({b: {s: r[b][n]["digits"]["value"] for s, r in runs.items()} for b in budgets})
+    per_length = {n: across_seeds({b: {s: r[b][n]["digits"]["value"] for s, r in runs.items()} for b in budgets})
                   for n in map(str, base.eval_lengths)}
     return {"runs": runs, **{part: {b: {n: per_length[n][part][b] for n in per_length} for b in budgets}
                              for part in ("across_seeds", "vs_first")}}

@@ -9,7 +9,7 @@ import pytest
 
 from csa2.presets import BOS_ID
 from csa2.tokenizer import decode
-from experiments import recipe_ablations as ra, results
+from experiments import ledger, recipe_ablations as ra, results
 from infer import stats
 
 S = ra.FAST  # the notebook's fast mode runs exactly this: it restores what the fixture trained
@@ -36,11 +36,11 @@ def test_hidden_digit_rows_hide_one_digit_and_ask_for_it_at_the_end():
 
 def test_statistics_pair_arms_by_seed():
     values = {"a": {"0": 0.1, "1": 0.3, "2": 0.2}, "b": {"0": 0.4, "1": 0.5, "2": 0.6}}
-    got = ra._across_seeds(values)
+    got = ra.across_seeds(values)
     assert got["across_seeds"]["b"] == stats.seed_interval([0.4, 0.5, 0.6]).as_dict()
     assert got["vs_first"]["b"] == stats.seed_interval([0.3, 0.2, 0.4]).as_dict()  # per seed, not mean − mean
     assert got["vs_first"]["a"]["value"] == 0.0
-    assert ra._across_seeds({"a": {"0": 0.1}})["across_seeds"]["a"] is None  # one seed: no interval
+    assert ra.across_seeds({"a": {"0": 0.1}})["across_seeds"]["a"] is None  # one seed: no interval
 
 
 def test_every_experiment_reports_n_and_intervals(done):
@@ -195,3 +195,19 @@ def test_results_are_saved_as_plain_numbers(monkeypatch, tmp_path):
     assert got["a"]["value"] == 0.25 and got["a"]["n"] == 10 and got["ratio"] == 1.5
     with pytest.raises(TypeError, match="ndarray"):
         results.save("x", {"a": interval, "b": np.zeros(2)}, fast=True)
+
+
+def test_the_committed_ledger_holds_runs_of_the_full_settings():
+    """notebooks/recipe_ablations.runs.json: every entry sits under its recipe's key, is a run the full settings
+    ask for (an entry no settings name is stale), and every score in it is well-formed."""
+    full = ra.FULL
+    wanted = {ledger.key(ra.run_recipe(dataclasses.replace(full.base, **overrides, seed=seed)))
+              for overrides in full.arms.values() for seed in full.seeds}
+    wanted |= {ledger.key(ra._hidden_digit_recipe(full.task, std, seed)) for std in full.stds for seed in full.seeds}
+    book = ledger.load(full.ledger)
+    assert book, "the committed ledger is empty"
+    for key, entry in book.items():
+        assert ledger.key(entry["recipe"]) == key and key in wanted, key
+        for part, score in entry["scores"].items():
+            results.check(score["value"])
+            assert score["commit"] and score["date"] >= "2026-12-06", (key, part)
