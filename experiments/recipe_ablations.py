@@ -403,9 +403,7 @@ def record(s: Settings, *, parts: Sequence[str] = PARTS, arms: Sequence[str] | N
     """Train and score part of `s` into its ledger: the experiments `parts`, the ablation arms `arms` (and the read
     budgets when the budget arm is among them), the seeds `seeds` (None: all of each). Several processes may each
     record a part at once; `run` then reads everything from the ledger."""
-    if s.ledger is None:
-        raise ValueError("Settings.ledger=None: record keeps what it measures in a ledger; give Settings a ledger "
-                         "path")
+    _check_ledger(s)
     for name, given, known in (("parts", parts, PARTS), ("arms", arms or (), tuple(s.arms)),
                                ("seeds", seeds or (), s.seeds)):
         if unknown := [x for x in given if x not in known]:
@@ -422,8 +420,7 @@ def record(s: Settings, *, parts: Sequence[str] = PARTS, arms: Sequence[str] | N
 
 def missing(s: Settings) -> list[str]:
     """What `s.ledger` does not record yet, one line per run (with the parts it lacks): what is left to train."""
-    if s.ledger is None:
-        return ["everything (Settings.ledger=None)"]
+    _check_ledger(s)
     left = [f"init_scale std {std:g} seed {seed}" for std in s.stds for seed in s.seeds
             if ledger_lib.lookup(s.ledger, _hidden_digit_recipe(s.task, std, seed), "hidden_digit") is None]
     for arm, overrides in s.arms.items():
@@ -434,6 +431,11 @@ def missing(s: Settings) -> list[str]:
             if lacking := [p for p in parts if ledger_lib.lookup(s.ledger, key, p) is None]:
                 left.append(f"ablate arm {arm!r} seed {seed}: {', '.join(lacking)}")
     return left
+
+
+def _check_ledger(s: Settings) -> None:
+    if s.ledger is None:
+        raise ValueError("Settings.ledger=None: `record` and `missing` work on a ledger; give Settings a ledger path")
 
 
 def claims(res: dict) -> list[str]:

@@ -121,8 +121,9 @@ def test_record_trains_a_slice_and_missing_says_what_is_left(done, tmp_path):
 def test_record_refuses_what_the_settings_do_not_hold(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ra.record(S, **kwargs)
-    with pytest.raises(ValueError, match="Settings.ledger=None"):
-        ra.record(dataclasses.replace(S, ledger=None))
+    for needs_a_ledger in (ra.record, ra.missing):
+        with pytest.raises(ValueError, match="Settings.ledger=None"):
+            needs_a_ledger(dataclasses.replace(S, ledger=None))
 
 
 def test_the_command_records_a_slice(done, capsys):
