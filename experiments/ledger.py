@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import pathlib
 import subprocess
 from typing import Callable, TypeVar
@@ -64,7 +65,10 @@ def record(path: str | pathlib.Path, recipe: dict, part: str, value) -> None:
         ledger = load(path)
         entry = ledger.setdefault(key(recipe), {"recipe": recipe, "scores": {}})
         entry["scores"][part] = {"value": value, "commit": _commit(), "date": datetime.date.today().isoformat()}
-        path.write_text(json.dumps(dict(sorted(ledger.items())), indent=1, allow_nan=False) + "\n")
+        # Written beside and renamed over: a reader that does not take the lock (`lookup`) never sees half a file.
+        part_written = path.with_name(f".{path.name}.partial")
+        part_written.write_text(json.dumps(dict(sorted(ledger.items())), indent=1, allow_nan=False) + "\n")
+        os.replace(part_written, path)
 
 
 def cached(path: str | pathlib.Path | None, recipe: dict, part: str, measure: Callable[[], T]) -> T:

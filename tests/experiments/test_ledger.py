@@ -32,6 +32,7 @@ def test_a_recorded_score_is_read_back_with_where_it_came_from(tmp_path):
     assert entry["recipe"] == RECIPE
     assert set(entry["scores"]["passkey"]) == {"value", "commit", "date"}
     assert entry["scores"]["passkey"]["commit"]  # this test runs inside the repository's git checkout
+    assert not list(tmp_path.glob(".*.partial"))  # written whole, then renamed over the ledger
 
 
 def test_cached_measures_once(tmp_path):
