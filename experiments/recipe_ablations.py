@@ -225,8 +225,7 @@ def ablate(base: LongCtxRecipe, arms: Mapping[str, Mapping], seeds: Sequence[int
 def run_recipe(recipe: LongCtxRecipe) -> dict:
     """A long-context run's ledger recipe: every field of `recipe` and the fingerprint of the model config it builds
     (a preset whose definition changed under the same name is another run)."""
-    return {"recipe": json.loads(json.dumps(dataclasses.asdict(recipe))),
-            "config": config_fingerprint(recipe.config())}
+    return {"recipe": longctx.as_json(recipe), "config": config_fingerprint(recipe.config())}
 
 
 def _curve(recipe: LongCtxRecipe, out: str | pathlib.Path, arm: str, every: int, log) -> dict[str, dict]:

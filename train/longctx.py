@@ -328,14 +328,15 @@ def run(recipe: LongCtxRecipe, out: str | pathlib.Path, *,
     return cfg, state.params, report
 
 
-def _as_json(recipe) -> dict:
+def as_json(recipe) -> dict:
+    """A recipe (a dataclass or a dict) as the JSON values `recipe.json` stores: tuples become lists."""
     return json.loads(json.dumps(recipe if isinstance(recipe, dict) else dataclasses.asdict(recipe)))
 
 
 def write_recipe(out: pathlib.Path, recipe) -> None:
     """Store `recipe` (a dataclass or a dict of JSON values) as `out/recipe.json`, what `check_recipe` compares."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / RECIPE).write_text(json.dumps(_as_json(recipe), indent=1) + "\n")
+    (out / RECIPE).write_text(json.dumps(as_json(recipe), indent=1) + "\n")
 
 
 def read_recipe(out: pathlib.Path) -> LongCtxRecipe:
@@ -356,7 +357,7 @@ def check_recipe(out: pathlib.Path, recipe) -> None:
     if not path.exists():
         return
     stored = json.loads(path.read_text())
-    wanted = _as_json(recipe)
+    wanted = as_json(recipe)
     differ = sorted(k for k in wanted.keys() | stored.keys() if stored.get(k) != wanted.get(k))
     if differ:
         raise ValueError(f"{out}: holds a run of another recipe (fields {', '.join(differ)} differ); "
