@@ -97,10 +97,10 @@ def numerics_gap(cfg: ModelConfig, params, valid_tokens: np.ndarray, *, seq_len:
 
 # The two arms of `qat_vs_float`, as `recipe_ablations.FULL` names them (so both read and record the same runs).
 ARMS = {name: recipe_ablations.FULL.arms[name] for name in ("recipe", "float training (no QAT)")}
-# CI sizes: recipe_ablations' fast recipe and seeds, scored after its first step, in runs of its own (the
-# recipe_ablations test trains its "recipe" arm without a curve).
+# CI sizes: recipe_ablations' fast settings (scored after each step while training), in runs and a ledger of their
+# own, so the two test files, which pytest may run at once, never train the same run directory.
 FAST_SETTINGS = dataclasses.replace(recipe_ablations.FAST, out="runs/qat-vs-float-fast",
-                                    ledger="runs/qat-vs-float-fast/ledger.json", curve_every=1)
+                                    ledger="runs/qat-vs-float-fast/ledger.json")
 
 
 def settings(fast: bool | None = None) -> recipe_ablations.Settings:

@@ -376,7 +376,8 @@ FAST = Settings(
     budgets={"as trained": (128, 32), "top-k 32, 8 blocks": (32, 8)},
     seeds=(0, 1),
     out="runs/recipe-ablations-fast",
-    ledger="runs/recipe-ablations-fast/ledger.json")
+    ledger="runs/recipe-ablations-fast/ledger.json",
+    curve_every=1)
 
 
 def settings(fast: bool | None = None) -> Settings:

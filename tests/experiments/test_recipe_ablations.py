@@ -85,7 +85,7 @@ def test_a_budget_changes_what_is_read():
 
 
 def test_finished_runs_are_reused_and_another_recipe_is_refused(done):
-    again = ra.ablate(S.base, S.arms, S.seeds, S.out)  # restored: no step trains, the same figures
+    again = ra.ablate(S.base, S.arms, S.seeds, S.out, curve_every=S.curve_every)  # restored: the same figures
     assert again == done["ablate"]
     with pytest.raises(ValueError, match="fields lr differ"):
         ra.ablate(dataclasses.replace(S.base, lr=1e-3), S.arms, S.seeds, S.out)
@@ -104,9 +104,10 @@ def test_record_trains_a_slice_and_missing_says_what_is_left(done, tmp_path):
     s = dataclasses.replace(S, ledger=str(tmp_path / "ledger.json"))  # the fixture's runs, an empty ledger
     left = ra.missing(s)
     assert len(left) == len(S.stds) * len(S.seeds) + len(S.arms) * len(S.seeds)
-    assert "ablate arm 'recipe' seed 0: passkey, read budgets" in "\n".join(left)
+    assert "ablate arm 'recipe' seed 0: passkey, curve every 1, read budgets" in "\n".join(left)
     ra.record(s, parts=["ablate"], arms=["no induction rows"], seeds=[1])  # restored from S.out: no step trains
-    assert ra.missing(s) == [line for line in left if line != "ablate arm 'no induction rows' seed 1: passkey"]
+    assert ra.missing(s) == [line for line in left
+                             if line != "ablate arm 'no induction rows' seed 1: passkey, curve every 1"]
     assert ra.ablate(S.base, {"no induction rows": {"repeat_share": 0.0}}, (1,), "nowhere", ledger=s.ledger)[
         "runs"] == {"no induction rows": {"1": done["ablate"]["runs"]["no induction rows"]["1"]}}
     ra.record(s, parts=["read_budget"], arms=["recipe"])  # the budget arm's sweeps, every seed
@@ -145,11 +146,15 @@ def test_claims_say_whether_an_interval_excludes_zero(done):
 
 
 def test_a_curve_scores_the_run_while_it_trains_and_changes_nothing_else(done, tmp_path):
-    """Scored at step 1 on the way: the run resumes bit for bit, so its final scores are the fixture's."""
+    """Scored at step 1 on the way (as the fixture's runs are): the run resumes bit for bit, so its final scores are
+    those of the same run trained without a stop."""
+    assert S.curve_every == 1
     got = ra.ablate(S.base, {"recipe": {}}, (0,), tmp_path, curve_every=1)
     curve = got["curves"]["recipe"]["0"]
     assert list(curve) == ["1"] and (tmp_path / "recipe" / "seed0" / "curve.json").exists()
     assert got["runs"]["recipe"]["0"] == done["ablate"]["runs"]["recipe"]["0"]
+    unstopped = ra.ablate(S.base, {"recipe": {}}, (0,), tmp_path / "unstopped")
+    assert "curves" not in unstopped and unstopped["runs"] == got["runs"]
     length = str(S.base.eval_lengths[0])
     assert curve["1"][length]["bits"] != got["runs"]["recipe"]["0"][length]["bits"]  # one step fewer
     metrics = (tmp_path / "recipe" / "seed0" / "metrics.jsonl").read_text()
@@ -212,3 +217,4 @@ def test_the_committed_ledger_holds_runs_of_the_full_settings():
         for part, score in entry["scores"].items():
             results.check(score["value"])
             assert score["commit"] and score["date"] >= "2026-12-06", (key, part)
+
