@@ -30,9 +30,10 @@ def paths(names=()) -> list[pathlib.Path]:
     return [p for p in found if p.stem in names]
 
 
-def execute(path: pathlib.Path, *, fast: bool, timeout: int = 3600) -> nbformat.NotebookNode:
+def execute(path: pathlib.Path, *, fast: bool, timeout: int | None = 3600) -> nbformat.NotebookNode:
     """Run every cell of `path` in a fresh kernel started in the repository root (so `runs/` is shared) with
-    `CSA2_FAST` set from `fast`; raises `nbclient.exceptions.CellExecutionError` on the first failing cell."""
+    `CSA2_FAST` set from `fast`, each cell for at most `timeout` seconds (None: no limit); raises
+    `nbclient.exceptions.CellExecutionError` on the first failing cell."""
     nb = nbformat.read(path, as_version=4)
     previous = os.environ.get(FAST_ENV)
     os.environ[FAST_ENV] = "1" if fast else "0"  # the kernel inherits the environment
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for path in selected:
         t0 = time.perf_counter()
-        nb = execute(path, fast=args.fast)
+        nb = execute(path, fast=args.fast, timeout=3600 if args.fast else None)  # a full-size cell may take hours
         if not args.fast:
             nbformat.write(nb, path)
         print(f"{path.relative_to(ROOT)}: {time.perf_counter() - t0:.0f} s{'' if args.fast else ', saved'}")
