@@ -113,6 +113,20 @@ def grouped_output(cfg: ModelConfig, params: dict, o: Array) -> Array:
     return linear(mid.reshape(b, s, g * cfg.o_lora_rank), params["wo_b"], cfg.dtype)
 
 
+def read_attention(cfg: ModelConfig, q: Array, sink: Array, main: Stored, main_idx: Array, window: Stored,
+                   window_idx: Array) -> Array:
+    """`ops.sparse_attention` over the Global rows `main_idx [B, S, K]` that the heads share, or, given one set per
+    head `[B, S, H, K]` (an instrument's read, `csa2.hooks`), each head over its own set with its own sink."""
+    if main_idx.ndim == 3:
+        return ops.sparse_attention(q, sink, main, main_idx, window, window_idx, impl=cfg.kernel_impl)
+
+    def one_head(q_h, sink_h, idx_h):  # [B, S, D], [], [B, S, K]
+        return ops.sparse_attention(q_h[:, :, None], sink_h[None], main, idx_h, window, window_idx,
+                                    impl=cfg.kernel_impl)[:, :, 0]
+
+    return jax.vmap(one_head, in_axes=(2, 0, 2), out_axes=2)(q, sink, main_idx)
+
+
 def attention(cfg: ModelConfig, spec: LayerSpec, params: dict, x: Array, kv: LayerKV, bus: Bus, ctx: Context,
               layer: Array | int, enter: DecoderTail | None = None) -> tuple[Array, LayerKV, Bus, Any]:
     """One sublayer on a chunk (`ctx.chunk`); x [B, S, d] is the normed collapsed residual, `kv` the layer's
@@ -174,13 +188,14 @@ def attention(cfg: ModelConfig, spec: LayerSpec, params: dict, x: Array, kv: Lay
                   positions=positions, valid=valid_q)
     if spec.role == "swa":
         main, main_idx = Stored.empty((b, 0), cfg.head_dim, MAIN, ring.packed), jnp.zeros((b, s, 0), jnp.int32)
-        read = jnp.full((b, s, ctx.instrument.width(cfg)), NO_ENTRY, jnp.int32)
+        heads = ctx.instrument.heads(cfg)
+        read = jnp.full((b, s) + (heads,) * (heads > 1) + (ctx.instrument.width(cfg),), NO_ENTRY, jnp.int32)
     else:
         with jax.named_scope("read_hook"):
             read = ctx.instrument.read(cfg, sight)
         main, main_idx = source.kv, source.rows(read)
     with jax.named_scope("sparse_attention"):
-        o = ops.sparse_attention(q, params["sink"], main, main_idx, window, window_idx, impl=cfg.kernel_impl)
+        o = read_attention(cfg, q, params["sink"], main, main_idx, window, window_idx)
     with jax.named_scope("tap"):
         tap = ctx.instrument.tap(cfg, sight, read)
     with jax.named_scope("attn_output"):

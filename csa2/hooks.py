@@ -96,8 +96,14 @@ class Instrument:
         """The most Global entries one layer reads per query (the static width of `read`)."""
         return cfg.index_topk
 
+    def heads(self, cfg: ModelConfig) -> int:
+        """1: a layer's heads share one read set (CSA2's top-k, SPEC §5); `num_attention_heads`: each head reads
+        its own, and attends over it alone (e.g. a KV-selection baseline that chooses per head, SPEC §14)."""
+        return 1
+
     def read(self, cfg: ModelConfig, sight: Sight) -> Array:
-        """The entry ids `[B, S, width]` (ascending, −1-padded) a layer that reads Global KV reads."""
+        """The entry ids `[B, S, width]` (per head: `[B, S, H, width]`; ascending, −1-padded) a layer that reads
+        Global KV reads."""
         return sight.bus.topk
 
     def tap(self, cfg: ModelConfig, sight: Sight, read: Array) -> Any:
@@ -120,6 +126,9 @@ class Joined(Instrument):
 
     def width(self, cfg):
         return self.reader.width(cfg)
+
+    def heads(self, cfg):
+        return self.reader.heads(cfg)
 
     def read(self, cfg, sight):
         return self.reader.read(cfg, sight)

@@ -4,12 +4,17 @@ and what that costs in retrieval and in bits per byte.
 Every policy of `research.selection` runs inside the model (`forward(..., instrument=)`, SPEC §8
 numerics, probes on): the positions before `start` are the prefill and read the model's own top-k, the ones
 from `start` on read what the policy chooses, `index_topk` Global entries per step (the budget; PyramidKV: on
-average over layers), next to the sliding window every policy keeps. "csa2" is the model's own indexer.
+average over layers), next to the sliding window every policy keeps. "csa2" is the model's own indexer. H2O,
+SnapKV, PyramidKV and Quest pool their heads' scores into one set by default; with `per_head=True` they choose for
+each attention head on its own, as their papers do: each head then reads the budget, and since the heads share
+one Global KV (SPEC §3), a layer loads, and an evicting policy must keep, the union of its heads' sets.
 
 Measures, over the Global-reading layers and the queries from `start` on that see more entries than the budget
-(`budget_use`): `reads` entries read per step, `kept` the share of visible entries still held (1 for the
-policies that evict nothing), `recall` the share of the layer's dense Global attention mass it read (as in
-`experiments.topk`), `lost` the mass on entries already evicted for ever. Quality (`retrieval`, `bits`): pass
+(`budget_use`): `reads` entries read per step (per head), `distinct` the distinct entries read per step (all
+heads together), `kept` the share of visible entries still held (the distinct ones read; 1 for the policies
+that evict nothing), `recall` the share of the layer's dense Global attention mass it read (as in
+`experiments.topk`; per head, each head's mass on its own set, averaged), `lost` the mass on entries already
+evicted for ever. Quality (`retrieval`, `bits`): pass
 keys and multi-needle keys read teacher-forced with every answer digit predicted under the policy (`start` = the
 last prompt position), by needle depth: whether the answer steps read the needle's Global entries at all
 (`needle_reads`), the digits right and the answer's bits; bits per byte of held-out text scored from its
@@ -21,6 +26,8 @@ means by a bootstrap over prompts (`infer.stats`).
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -58,28 +65,39 @@ def run(cfg: ModelConfig, params, tokens, policy: selection.Policy | None, start
 
 
 def budget_use(cfg: ModelConfig, rec: Summary, policy: selection.Policy | None, start) -> dict[str, np.ndarray]:
-    """{reads, kept, recall, lost}, per row `[B]` the mean over the Global-reading layers and the row's queries at
-    positions ≥ `start` that see more entries than `index_topk` (see the module docstring; NaN for a row without
-    such a query)."""
+    """{reads, distinct, kept, recall, lost}, per row `[B]` the mean over the Global-reading layers and the row's
+    queries at positions ≥ `start` that see more entries than `index_topk` (see the module docstring; NaN for a row
+    without such a query)."""
     evicts = policy is not None and policy.evicts
-    sums = {k: 0.0 for k in ("reads", "kept", "recall", "lost")}
+    sums = {k: 0.0 for k in USE}
     count = 0
     for spec in layer_plan(cfg):
         if spec.role == "swa":
             continue
-        ids = rec.topk[spec.index]  # [B, S, K]
+        ids = rec.topk[spec.index]  # [B, S, K], or per head [B, S, H, K]
         s = ids.shape[1]
         visible = np.asarray(visible_entries(np.arange(s), spec.ratio))  # [S]
         where = topk.counted(cfg, spec.index, rec) & (np.arange(s) >= np.reshape(start, (-1, 1)))
         reads = np.sum(ids >= 0, axis=-1)
+        reads = np.mean(reads, axis=-1) if ids.ndim == 4 else reads
+        distinct = distinct_reads(ids)
         recall = topk.share(rec.read[spec.index], rec.total[spec.index])
-        values = {"reads": reads, "kept": reads / np.maximum(visible, 1) if evicts else np.ones_like(reads, float),
+        values = {"reads": reads, "distinct": distinct,
+                  "kept": distinct / np.maximum(visible, 1) if evicts else np.ones_like(reads, float),
                   "recall": recall, "lost": 1.0 - recall if evicts else np.zeros_like(recall)}
         for k, v in values.items():
             sums[k] = sums[k] + np.sum(np.where(where, v, 0.0), axis=1)
         count = count + np.sum(where, axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         return {k: v / count for k, v in sums.items()}
+
+
+def distinct_reads(ids: np.ndarray) -> np.ndarray:
+    """How many distinct entries each query reads `[B, S]`: of `ids [B, S, K]`, or of every head's `[B, S, H, K]`
+    together (what the heads of a layer load from the shared Global KV, and what an evicting policy must keep)."""
+    flat = np.sort(ids.reshape(ids.shape[:2] + (-1,)), axis=-1)
+    first = np.concatenate([np.ones(flat.shape[:2] + (1,), bool), flat[..., 1:] != flat[..., :-1]], axis=-1)
+    return np.sum(first & (flat >= 0), axis=-1)
 
 
 def retrieval_examples(length: int, depths, samples: int, *, keys: int = 1, digits: int = 5, seed: int = 0,
@@ -116,7 +134,8 @@ def needle_reads(cfg: ModelConfig, rec: Summary, spans, start: int, n: int) -> n
     for spec in layer_plan(cfg):
         if spec.role == "swa":
             continue
-        ids = rec.topk[spec.index][:, start:start + n]  # [B, n, K]
+        ids = rec.topk[spec.index][:, start:start + n]  # [B, n, K], or per head [B, n, H, K]
+        ids = ids.reshape(ids.shape[:2] + (-1,))  # a needle entry read by any head
         lo = np.array([a for a, _ in spans]) // spec.ratio
         hi = (np.array([b for _, b in spans]) - 1) // spec.ratio
         inside = (ids >= lo[:, None, None]) & (ids <= hi[:, None, None])
@@ -147,15 +166,16 @@ def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> np.n
 
 
 def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples: int, text: np.ndarray,
-             keys: int = 2, template: str = "held_out", names=NAMES, log=lambda _: None) -> list[dict]:
-    """The baseline table: one row per (budget, policy) with `budget_use` on the pass-key prompts (means over
-    prompts; `use_intervals`: {measure: interval} over them, `infer.stats.prompt_intervals`), pass-key
-    and `keys`-needle scores (means over depths; `by_depth` per depth: {depth: {exact, digits, bits, needle}};
-    `needle` = `needle_reads`; `<task>_intervals`: {measure: interval} over the `samples · len(depths)` prompts,
-    `infer.stats.prompt_intervals`), and bits per byte of `text [B = len(depths), length + digits]` scored from
-    its middle on (`bpb_interval` over its rows; None with one row). Every run of one (budget, policy) shares one
-    compiled program (the same shapes; the start is traced). The retrieval prompts are worded by `template`
-    (`retrieval_examples`)."""
+             keys: int = 2, template: str = "held_out", chosen: Mapping[str, selection.Policy | None] | None = None,
+             log=lambda _: None) -> list[dict]:
+    """The baseline table: one row per (budget, policy of `chosen`, default `policies()`) with `budget_use` on the
+    pass-key prompts (means over prompts; `use_intervals`: {measure: interval} over them,
+    `infer.stats.prompt_intervals`), pass-key and `keys`-needle scores (means over depths; `by_depth` per depth:
+    {depth: {exact, digits, bits, needle}}; `needle` = `needle_reads`; `<task>_intervals`: {measure: interval} over
+    the `samples · len(depths)` prompts, `infer.stats.prompt_intervals`), and bits per byte of `text [B =
+    len(depths), length + digits]` scored from its middle on (`bpb_interval` over its rows; None with one row).
+    Every run of one (budget, policy) shares one compiled program (the same shapes; the start is traced). The
+    retrieval prompts are worded by `template` (`retrieval_examples`)."""
     passkeys = retrieval_examples(length, depths, samples, template=template)
     needles = retrieval_examples(length, depths, samples, keys=keys, template=template)
     start = length - 1  # every answer digit is predicted under the policy
@@ -163,8 +183,7 @@ def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples:
     rows = []
     for budget in budgets:
         at = cfg.replace(index_topk=budget)
-        for name in names:
-            policy = policies()[name]
+        for name, policy in (policies() if chosen is None else chosen).items():
             row = {"budget": budget, "policy": name, "evicts": bool(policy is not None and policy.evicts)}
             uses = []
             for task, examples in (("passkey", passkeys), ("needles", needles)):
@@ -195,7 +214,7 @@ def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples:
     return rows
 
 
-USE = ("reads", "kept", "recall", "lost")  # the `budget_use` columns
+USE = ("reads", "distinct", "kept", "recall", "lost")  # the `budget_use` columns
 COLUMNS = ("reads", "kept", "recall", "lost", "passkey_needle", "passkey_digits", "passkey_bits", "needles_needle",
            "needles_digits", "needles_bits", "bpb")
 
@@ -216,15 +235,16 @@ def format_table(rows: list[dict], columns=COLUMNS) -> str:
     """The table as text, one line per (budget, policy); a column with an interval shows `value [lo, hi]`, and a
     last line states each such column's n (prompts, or rows of text for `bpb`) and level."""
     shown = {c: iv for c in columns if (iv := interval_of(rows[0], c))}  # the columns that carry an interval
-    widths = {c: 22 if c in shown else 16 for c in columns}
+    name = max(13, *(len(r["policy"]) + 1 for r in rows))
 
     def cell(r, c):
         iv = interval_of(r, c)
-        text = f"{r[c]:.3f}" if iv is None else stats.interval_text(iv, ".3f")
-        return f"{text:>{widths[c]}}"
+        return f"{r[c]:.3f}" if iv is None else stats.interval_text(iv, ".3f")
 
-    lines = [f"{'budget':>6} {'policy':<13}" + "".join(f"{c:>{widths[c]}}" for c in columns)]
-    lines += [f"{r['budget']:>6} {r['policy']:<13}" + "".join(cell(r, c) for c in columns) for r in rows]
+    widths = {c: max(len(c), *(len(cell(r, c)) for r in rows)) + 2 for c in columns}
+    lines = [f"{'budget':>6} {'policy':<{name}}" + "".join(f"{c:>{widths[c]}}" for c in columns)]
+    lines += [f"{r['budget']:>6} {r['policy']:<{name}}" + "".join(f"{cell(r, c):>{widths[c]}}" for c in columns)
+              for r in rows]
     notes = sorted({("budget use" if c in USE else c.partition("_")[0], iv["n"], iv["level"])  # "bpb" stays
                     for c, iv in shown.items()})
     if notes:

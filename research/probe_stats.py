@@ -9,15 +9,17 @@ Per layer (stacked `[L, ...]` in `aux["tap"]`), with mass_e the head-averaged de
 Global entry e (SPEC §3 without top-k, as in `Probes`) and captured(set) = Σ_{e ∈ set} mass_e:
 
 - `total` [B, S]: captured(every entry);
-- `read` [B, S]: captured(the entries the layer read);
+- `read` [B, S]: captured(the entries the layer read); where each head reads its own set (`Instrument.heads`), the
+  mean over heads of each head's dense probability on its own set;
 - `oracle` [B, S]: captured(the `index_topk` entries of largest mass), the best any selection of that size reaches;
-- `overlap` [B, S]: the share of those oracle entries (the ones with mass > 0) that the layer read; NaN without any;
+- `overlap` [B, S]: the share of those oracle entries (the ones with mass > 0) that the layer read (any head);
+  NaN without any;
 - `scan` [B, S]: captured(the layer's own indexer over every visible entry), Full and Reindex layers (0 elsewhere);
 - `pool` [B, S]: captured(the candidate pool on the bus), layers after the candidate source (0 elsewhere);
-- `topk` [B, S, width]: the entry ids read (−1 = none);
-- `by_distance` [B, 2, bins]: the mass (row 0) and the part of it not read (row 1) by token distance from the
-  query to the entry's last token, in the bins `[edges[i], edges[i+1])`, summed over the queries that count
-  (more visible entries than `index_topk`, and some Global mass); None without `edges`.
+- `topk` [B, S, width] (per head `[B, S, H, width]`): the entry ids read (−1 = none);
+- `by_distance` [B, 2, bins]: the mass (row 0) and the part of it not read (row 1, as `read` counts it) by token
+  distance from the query to the entry's last token, in the bins `[edges[i], edges[i+1])`, summed over the
+  queries that count (more visible entries than `index_topk`, and some Global mass); None without `edges`.
 
 SWA layers read no Global KV: every field is 0 there (`overlap` NaN, `topk` −1).
 """
@@ -101,24 +103,30 @@ class ProbeStats(Instrument):
 def _block_stats(cfg: ModelConfig, ratio: int, edges: tuple[int, ...], keys: Array,
                  xs: dict) -> tuple[dict, Array]:
     """`Summary` fields of one block of queries `[B, Q]` and its distance sums `[B, 2, bins]`."""
-    mass = View(q=xs["q"], keys=keys, rest=xs["rest"], visible=xs["visible"], positions=xs["positions"]).mass(
-        block=xs["q"].shape[1])
+    probs = View(q=xs["q"], keys=keys, rest=xs["rest"], visible=xs["visible"], positions=xs["positions"]).probs()
+    mass = jnp.mean(probs, axis=2)  # [B, Q, N]
     n = mass.shape[-1]
-    read = id_mask(xs["read"], n)
+    if xs["read"].ndim == 4:  # one set per head: each head's mass on its own set; an entry is read if any head read it
+        per_head = id_mask(xs["read"], n)  # [B, Q, H, N]
+        got, read = jnp.mean(jnp.where(per_head, probs, 0.0), axis=2), jnp.any(per_head, axis=2)
+    else:
+        read = id_mask(xs["read"], n)
+        got = jnp.where(read, mass, 0.0)  # [B, Q, N]: the mass each entry gave to what was read
     k = min(cfg.index_topk, n)
     best, best_ids = jax.lax.top_k(mass, k)  # the oracle: ties go to the older entry, as a stable sort's
     in_oracle = best > 0
     hits = jnp.sum(jnp.take_along_axis(read, best_ids, axis=-1) & in_oracle, axis=-1)
     total = jnp.sum(mass, axis=-1)
-    out = dict(total=total, read=_captured(mass, read), oracle=jnp.sum(best, axis=-1),
+    out = dict(total=total, read=jnp.sum(got, axis=-1), oracle=jnp.sum(best, axis=-1),
                overlap=hits / jnp.sum(in_oracle, axis=-1), pool=_captured(mass, id_mask(xs["pool"], n)))
     if "scan" in xs:  # Full and Reindex layers
         out["scan"] = _captured(mass, id_mask(xs["scan"], n))
     counts = (xs["visible"] > cfg.index_topk) & (total > 0)  # [B, Q]
     distance = xs["positions"][..., None] - ((jnp.arange(n) + 1) * ratio - 1)  # to the entry's last token
     weights = jnp.where(counts[..., None], mass, 0.0)
+    missed = jnp.where(counts[..., None], mass - got, 0.0)
     sums = [jnp.stack([jnp.sum(jnp.where(inside, weights, 0.0), axis=(1, 2)),
-                       jnp.sum(jnp.where(inside & ~read, weights, 0.0), axis=(1, 2))], axis=1)
+                       jnp.sum(jnp.where(inside, missed, 0.0), axis=(1, 2))], axis=1)
             for inside in ((distance >= lo) & (distance < hi) for lo, hi in zip(edges[:-1], edges[1:]))]
     return out, jnp.stack(sums, axis=-1) if sums else None
 

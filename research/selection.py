@@ -7,22 +7,25 @@ Global KV (the model's read hook, `csa2.hooks`), each
 layer choosing with its own queries, for the queries at positions ≥ `start`: the earlier ones are the prefill
 and read the model's own top-k, identical for every policy, so the policies differ only in what the steps
 after the prompt read (the one-shot policies compress the cache at `start`). Every policy reads at most
-`index_topk` entries per step (PyramidKV: on average over the layers), so `index_topk` is the read budget.
+`index_topk` entries per step and head (PyramidKV: on average over the layers), so `index_topk` is the read budget.
 
 | policy         | reads per step                                   | keeps         | loses for ever                 |
 |----------------|--------------------------------------------------|---------------|--------------------------------|
 | `StreamingLLM` | the first `sinks` entries + the newest           | what it reads | every other entry              |
-| `H2O`          | heavy hitters (cumulative attention) + newest    | what it reads | each entry it evicts           |
-| `SnapKV`       | prompt entries chosen once at `start` + newest   | what it reads | unchosen prompt entries, later |
-|                |                                                  |               | ones past the newest           |
-| `PyramidKV`    | SnapKV with per-layer budgets, deep layers fewer | what it reads | as SnapKV                      |
+| `H2O`          | heavy hitters (cumulative attention) + newest    | what its      | each entry it evicts           |
+|                |                                                  | heads read    |                                |
+| `SnapKV`       | prompt entries chosen once at `start` + newest   | what its      | unchosen prompt entries, later |
+|                |                                                  | heads read    | ones past the newest           |
+| `PyramidKV`    | SnapKV with per-layer budgets, deep layers fewer | as SnapKV     | as SnapKV                      |
 | `Quest`        | the pages of largest upper bound (+ the newest)  | every entry   | nothing                        |
 | `Oracle`       | the entries of largest true attention            | every entry   | nothing                        |
 
 Each policy is a pure function of a `View` (one layer's queries, every Global entry, the window's share of
-the softmax) to a read mask `[B, S, N]`; `read` turns it into the entry ids the layer reads. Attention scores
-are the SPEC §3 sink softmax, averaged over heads where a policy ranks entries (the selection is shared by a
-layer's heads, as CSA2's top-k is).
+the softmax) to a read mask; `read` turns it into the entry ids the layer reads. Attention scores are the SPEC §3
+sink softmax. The policies that rank entries by them (H2O, SnapKV, PyramidKV, Quest: `PerHead`) pool the scores
+over heads into one mask `[B, S, N]` that the heads share, as CSA2's top-k is (the default; the oracle and
+StreamingLLM always do), or, with `per_head=True`, choose for each head on its own as their papers do: a mask
+`[B, S, H, N]`, each head attending over its own set (`csa2.attention.read_attention`), the budget per head.
 """
 
 from __future__ import annotations
@@ -160,11 +163,25 @@ def fill_newest(keep: Array, dense: Array, budget: Array | int) -> Array:
 
 
 def top(scores: Array, where: Array, count: Array | int) -> Array:
-    """The `count` entries of largest score among `where` (masks `[..., N]`; ties: the lower id first)."""
+    """The `count` entries of largest score among `where` (masks `[..., N]`, `where` broadcast to the scores'
+    shape; ties: the lower id first)."""
+    where = jnp.broadcast_to(where, scores.shape)
     order = jnp.lexsort((jnp.where(where, -scores, 0.0), ~where), axis=-1)  # `where` first, then by score
     rank = jnp.argsort(order, axis=-1, stable=True)
     count = jnp.asarray(count)
     return where & (rank < (count[..., None] if count.ndim else count))
+
+
+def over_heads(x: Array, groups: int, axis: int, reduce) -> Array:
+    """A per-head statistic (heads on `axis`) as `groups` selectors: 1 (`reduce` over every head: one set the
+    heads share) or H (each head its own)."""
+    heads = x.shape[axis]
+    return reduce(x.reshape(x.shape[:axis] + (groups, heads // groups) + x.shape[axis + 1:]), axis=axis + 1)
+
+
+def _heads_out(mask: Array, per_head: bool) -> Array:
+    """A read mask `[B, S, G, N]` as a policy returns it: `[B, S, H, N]` per head, `[B, S, N]` shared (G = 1)."""
+    return mask if per_head else mask[:, :, 0]
 
 
 def recent_count(budget: Array | int, share: float) -> Array | int:
@@ -192,63 +209,77 @@ def streaming_llm(v: View, budget: Array | int, sinks: int) -> Array:
     return fill_newest(dense & (jnp.arange(v.entries) < sinks), dense, budget)
 
 
-def h2o(v: View, budget: int, recent: float, start: Array | int) -> Array:
+def h2o(v: View, budget: int, recent: float, start: Array | int, per_head: bool = False) -> Array:
     """H2O: heavy hitters by cumulative attention plus the newest `⌊recent · budget⌋` entries.
 
     Before `start` (the prefill; an int or one per row [B]) every query attends densely and its
     probabilities accumulate; from `start` on a query reads its kept set (heavy hitters ∪ newest), its
     probabilities over that set (the window and sink in the denominator) accumulate, and when an entry
     leaves the newest ones the `budget − ⌊recent · budget⌋` kept entries of largest cumulative score stay
-    heavy: the others are evicted for ever. Scores are summed over heads.
+    heavy: the others are evicted for ever. Each head keeps its own scores and set (`per_head`, `[B, S, H, N]`,
+    as the paper), or the scores are summed over heads into one set they share (`[B, S, N]`).
     """
-    b, n = v.visible.shape[0], v.entries
+    b, n, heads = v.visible.shape[0], v.entries, v.q.shape[2]
+    groups = heads if per_head else 1
     newest_count = recent_count(budget, recent)
     heavy_count = budget - newest_count
     vis_next = jnp.concatenate([v.visible[:, 1:], v.visible[:, -1:]], axis=1)  # the next query's count
 
     def step(carry, xs):
-        acc, heavy = carry  # [B, N] float, bool
+        acc, heavy = carry  # [B, G, N] float, bool
         q, rest, vis, pos, nxt, before = xs  # [B, H, D], [B, H], [B], [B], [B], [B]
         # this query's logits [B, H, N] (View.logits of its position alone: O(H·N) memory per step)
         logit = View(q=q[:, None], keys=v.keys, rest=rest[:, None], visible=vis[:, None],
                      positions=pos[:, None]).logits()[:, 0]
-        dense = jnp.arange(n) < vis[:, None]
-        read = jnp.where(before[:, None], dense, fill_newest(heavy & dense, dense, budget))
-        probs = sink_softmax(jnp.where(read[:, None, :], logit, -jnp.inf), rest)  # [B, H, N]
-        acc = acc + jnp.sum(probs, axis=1)
-        candidates = read & ~newest(nxt, newest_count, n)  # what leaves the newest may stay heavy
+        dense = (jnp.arange(n) < vis[:, None])[:, None, :]  # [B, 1, N]
+        read = jnp.where(before[:, None, None], dense, fill_newest(heavy & dense, dense, budget))  # [B, G, N]
+        probs = sink_softmax(jnp.where(jnp.repeat(read, heads // groups, axis=1), logit, -jnp.inf), rest)
+        acc = acc + over_heads(probs, groups, 1, jnp.sum)
+        candidates = read & ~newest(nxt, newest_count, n)[:, None, :]  # what leaves the newest may stay heavy
         return (acc, top(acc, candidates, heavy_count)), read
 
     prefill = (v.positions < _per_row(start, b)[:, None]).T  # [S, B]
     xs = (jnp.moveaxis(v.q, 1, 0), jnp.moveaxis(v.rest, 1, 0), v.visible.T, v.positions.T, vis_next.T, prefill)
-    init = (jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), bool))
-    _, reads = jax.lax.scan(step, init, xs)
-    return jnp.moveaxis(reads, 0, 1)
+    init = (jnp.zeros((b, groups, n), jnp.float32), jnp.zeros((b, groups, n), bool))
+    _, reads = jax.lax.scan(step, init, xs)  # [S, B, G, N]
+    return _heads_out(jnp.moveaxis(reads, 0, 1), per_head)
 
 
-def snapkv(v: View, budget: Array | int, recent: float, window: int, kernel: int, start: Array | int) -> Array:
-    """SnapKV: at `start`, the last `window` prompt queries' attention (head-mean, summed over those queries,
-    max-pooled over `kernel` neighbouring entries) chooses `budget − ⌊recent · budget⌋` prompt entries, once;
-    every later query reads them and the newest entries up to `budget`."""
-    dense = v.dense()
+def snapkv(v: View, budget: Array | int, recent: float, window: int, kernel: int, start: Array | int,
+           per_head: bool = False) -> Array:
+    """SnapKV: at `start`, the last `window` prompt queries' attention (summed over those queries, max-pooled over
+    `kernel` neighbouring entries) chooses `budget − ⌊recent · budget⌋` prompt entries, once; every later query
+    reads them and the newest entries up to `budget`. Each head chooses by its own attention (`per_head`,
+    `[B, S, H, N]`, as the paper), or all by their mean attention (`[B, S, N]`)."""
+    b, s, heads = v.q.shape[:3]
     n = v.entries
-    start = _per_row(start, v.visible.shape[0])[:, None]
-    observed = (v.positions >= start - window) & (v.positions < start)  # [B, S]
-    scores = jnp.sum(jnp.where(observed[..., None], v.mass(), 0.0), axis=1)  # [B, N]
+    start = _per_row(start, b)[:, None]
+    # The observation queries alone (at most `window` rows, whichever part of them this call holds).
+    rows = jnp.clip(start - window + jnp.arange(window) - v.positions[:, :1], 0, s - 1)  # [B, window]
+
+    def take(x):
+        return jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
+
+    obs = View(q=take(v.q), keys=v.keys, rest=take(v.rest), visible=take(v.visible), positions=take(v.positions))
+    observed = (obs.positions >= start - window) & (obs.positions < start)  # [B, window]
+    scores = jnp.sum(jnp.where(observed[:, :, None, None], obs.probs(), 0.0), axis=1)  # [B, H, N]
+    scores = over_heads(scores, heads if per_head else 1, 1, jnp.mean)  # [B, G, N]
     half = kernel // 2
-    padded = jnp.pad(scores, [(0, 0), (half, half)], constant_values=-jnp.inf)
-    pooled = jnp.max(jnp.stack([padded[:, j:j + n] for j in range(kernel)]), axis=0)
-    at_start = jnp.max(jnp.where(observed, v.visible, 0), axis=1)  # entries visible at the prompt's end [B]
+    padded = jnp.pad(scores, [(0, 0), (0, 0), (half, half)], constant_values=-jnp.inf)
+    pooled = jnp.max(jnp.stack([padded[..., j:j + n] for j in range(kernel)]), axis=0)
+    at_start = jnp.max(jnp.where(observed, obs.visible, 0), axis=1)  # entries visible at the prompt's end [B]
     recent_n = recent_count(budget, recent)
-    older = jnp.arange(n) < (at_start - recent_n)[:, None]  # not among the newest at the prompt's end
-    chosen = top(pooled, older, budget - recent_n)  # [B, N]
-    return fill_newest(jnp.broadcast_to(chosen[:, None, :], dense.shape) & dense, dense, budget)
+    older = jnp.arange(n) < (at_start - recent_n)[:, None, None]  # not among the newest at the prompt's end
+    chosen = top(pooled, older, budget - recent_n)  # [B, G, N]
+    dense = v.dense()[:, :, None, :]
+    return _heads_out(fill_newest(chosen[:, None] & dense, dense, budget), per_head)
 
 
-def quest(v: View, budget: int, page: int) -> Array:
+def quest(v: View, budget: int, page: int, per_head: bool = False) -> Array:
     """Quest: pages of `page` entries with per-channel key min and max; a query bounds each page's logit by
-    `Σ_i max(q_i · max_i, q_i · min_i)` (the largest over heads), reads the `budget // page` pages of largest
-    bound, the newest (partial) page always among them; nothing is evicted."""
+    `Σ_i max(q_i · max_i, q_i · min_i)`, reads the `budget // page` pages of largest bound, the newest (partial)
+    page always among them; nothing is evicted. Each head reads by its own bound (`per_head`, `[B, S, H, N]`, as
+    the paper), or all by the largest bound over heads (`[B, S, N]`)."""
     b, n, d = v.keys.shape
     pages = -(-n // page)
     keys = jnp.pad(v.keys.astype(jnp.float32), [(0, 0), (0, pages * page - n), (0, 0)]).reshape(b, pages, page, d)
@@ -257,12 +288,12 @@ def quest(v: View, budget: int, page: int) -> Array:
     # max(q·hi, q·lo) per channel = q·(hi + lo)/2 + |q|·(hi − lo)/2, summed over channels.
     bound = (jnp.einsum("bshd,bpd->bshp", q, (hi + lo) / 2, precision=jax.lax.Precision.HIGHEST)
              + jnp.einsum("bshd,bpd->bshp", jnp.abs(q), (hi - lo) / 2, precision=jax.lax.Precision.HIGHEST))
-    score = jnp.max(bound, axis=2)  # [B, S, P]
+    score = over_heads(bound, v.q.shape[2] if per_head else 1, 2, jnp.max)  # [B, S, G, P]
     p = jnp.arange(pages)
-    newest_page = (v.visible - 1) // page
-    score = jnp.where(p == newest_page[..., None], jnp.inf, score)
-    chosen = top(score, p * page < v.visible[..., None], budget // page)  # [B, S, P]
-    return jnp.repeat(chosen, page, axis=-1)[..., :n] & v.dense()
+    newest_page = ((v.visible - 1) // page)[..., None, None]
+    score = jnp.where(p == newest_page, jnp.inf, score)
+    chosen = top(score, p * page < v.visible[..., None, None], budget // page)  # [B, S, G, P]
+    return _heads_out(jnp.repeat(chosen, page, axis=-1)[..., :n] & v.dense()[:, :, None, :], per_head)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,8 +312,13 @@ class Policy:
         raise NotImplementedError
 
     def width(self, cfg: ModelConfig) -> int:
-        """The most entries one layer reads per query."""
+        """The most entries one layer reads per query (per head where it reads per head)."""
         return cfg.index_topk
+
+    def heads(self, cfg: ModelConfig) -> int:
+        """How many read sets a layer reads per query: 1, shared by its heads (`mask` `[B, S, N]`), or one per head
+        (`[B, S, H, N]`)."""
+        return 1
 
     def check(self, cfg: ModelConfig, length: int, start: np.ndarray | None) -> None:
         """ValueError naming the field when this policy cannot run on `length` tokens of `cfg` from `start`
@@ -321,12 +357,23 @@ class StreamingLLM(Policy):
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O(Policy):
+class PerHead(Policy):
+    """A policy that chooses by attention scores: once for all the heads from their pooled scores, as CSA2's top-k
+    is shared (the default), or for each head on its own as its paper does (`per_head=True`)."""
+
+    per_head: bool = dataclasses.field(default=False, kw_only=True)
+
+    def heads(self, cfg):
+        return cfg.num_attention_heads if self.per_head else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(PerHead):
     recent: float = 0.5  # share of the budget that reads the newest entries; the rest holds heavy hitters
     name: ClassVar[str] = "h2o"
 
     def mask(self, cfg, v, layer, start):
-        return h2o(v, cfg.index_topk, self.recent, start)
+        return h2o(v, cfg.index_topk, self.recent, start, self.per_head)
 
     def check(self, cfg, length, start):
         super().check(cfg, length, start)
@@ -334,7 +381,7 @@ class H2O(Policy):
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(PerHead):
     recent: float = 0.25  # share of the budget that reads the newest entries; the rest is chosen at `start`
     window: int = 8  # observation queries: the last `window` prompt positions
     kernel: int = 5  # max-pooling width over neighbouring entries (odd)
@@ -344,7 +391,7 @@ class SnapKV(Policy):
         return cfg.index_topk
 
     def mask(self, cfg, v, layer, start):
-        return snapkv(v, self.budget(cfg, layer), self.recent, self.window, self.kernel, start)
+        return snapkv(v, self.budget(cfg, layer), self.recent, self.window, self.kernel, start, self.per_head)
 
     def check(self, cfg, length, start):
         super().check(cfg, length, start)
@@ -388,13 +435,13 @@ class PyramidKV(SnapKV):
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest(Policy):
+class Quest(PerHead):
     page: int = 8  # entries per page
     name: ClassVar[str] = "quest"
     evicts: ClassVar[bool] = False
 
     def mask(self, cfg, v, layer, start):
-        return quest(v, cfg.index_topk, self.page)
+        return quest(v, cfg.index_topk, self.page, self.per_head)
 
     def check(self, cfg, length, start):
         super().check(cfg, length, start)
@@ -415,15 +462,22 @@ class KVSelection(Instrument):
     def width(self, cfg: ModelConfig) -> int:
         return self.policy.width(cfg)
 
+    def heads(self, cfg: ModelConfig) -> int:
+        return self.policy.heads(cfg)
+
     def read(self, cfg: ModelConfig, sight: Sight) -> Array:
-        """The entry ids `[B, S, policy.width(cfg)]` (ascending, −1-padded) the layer reads."""
+        """The entry ids `[B, S, policy.width(cfg)]` (per head: `[B, S, H, width]`; ascending, −1-padded) the layer
+        reads; before `start` every head reads the model's own top-k."""
         mask = self.policy.mask(cfg, view(sight), sight.layer, self.start)
         width = self.policy.width(cfg)
         ids = select_topk(jnp.zeros(mask.shape, jnp.float32), mask, width)
         topk = sight.bus.topk
         own = jnp.pad(topk, [(0, 0), (0, 0), (0, width - topk.shape[-1])], constant_values=NO_ENTRY)
         positions = sight.positions
-        return jnp.where((positions >= _per_row(self.start, positions.shape[0])[:, None])[..., None], ids, own)
+        after = positions >= _per_row(self.start, positions.shape[0])[:, None]  # [B, S]
+        if ids.ndim == 4:  # one set per head
+            own, after = own[:, :, None, :], after[..., None]
+        return jnp.where(after[..., None], ids, own)
 
     def check(self, cfg: ModelConfig, tokens: tuple[int, int], replay: ReplayPolicy) -> None:
         if not isinstance(self.policy, Policy):

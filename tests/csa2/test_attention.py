@@ -19,6 +19,7 @@ from csa2.state import init_state
 from pallas_kernels import ops
 from pallas_kernels.reference import sink_attention
 from tests.csa2.attention_stack import context, init_stack, run_stack, stack_step
+from tests.pallas_kernels.cases import ATTENTION_CASES, TOL, attention_case, np_sparse_attention
 
 CFG = preset("mini")
 T, CAP, B = 40, 64, 2  # 40 tokens wrap the 21-slot rings and cross many ratio-2 boundaries
@@ -63,6 +64,28 @@ def test_sink_attention_matches_softmax_with_extra_logit():
     full = jnp.concatenate([logits, jnp.broadcast_to(sink[None, None, :, None], (1, 3, 2, 1))], -1)
     probs = jax.nn.softmax(full, -1)[..., :-1]
     np.testing.assert_allclose(out, jnp.einsum("bshe,bsed->bshd", probs, keys), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ops.IMPLS)
+def test_read_attention_per_head_is_each_head_over_its_own_set(impl):
+    """Given one Global set per head `[B, S, H, K]` (an instrument's read), head h's output is the sparse attention
+    of head h alone, with its sink, over its own set: checked against the numpy oracle of the kernel tests, head by
+    head (a mutant that gave every head head 0's set, or another head's sink, fails); shared sets `[B, S, K]` are
+    `ops.sparse_attention` itself."""
+    args, _ = attention_case(7, **ATTENTION_CASES["chunk"])
+    q, sink, main, main_idx, win, win_idx = args
+    b, s, h, _ = q.shape
+    rng = np.random.default_rng(1)
+    per_head = rng.integers(-1, main.rows, (b, s, h, main_idx.shape[-1])).astype(np.int32)  # −1 anywhere
+    cfg = CFG.replace(kernel_impl=impl)
+    got = np.asarray(attn.read_attention(cfg, q, sink, main, jnp.asarray(per_head), win, win_idx))
+    assert got.shape == q.shape
+    for head in range(h):
+        want = np_sparse_attention((np.asarray(q)[:, :, head:head + 1], np.asarray(sink)[head:head + 1], main,
+                                    per_head[:, :, head], win, win_idx))
+        np.testing.assert_allclose(got[:, :, head:head + 1], want, **TOL)
+    shared = attn.read_attention(cfg, *args)
+    np.testing.assert_array_equal(shared, ops.sparse_attention(*args, impl=impl))
 
 
 def test_window_ids_ring_then_chunk():

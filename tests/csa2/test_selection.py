@@ -23,8 +23,9 @@ START = 12
 # the candidate pool holds every entry: nothing is left out.
 COVERING = MINI.replace(index_topk=64, candidate_topk_blocks=16)
 POLICIES = [selection.Oracle(), selection.StreamingLLM(), selection.H2O(), selection.SnapKV(),
-            selection.PyramidKV(beta=2.0), selection.Quest()]
-IDS = [p.name for p in POLICIES]
+            selection.PyramidKV(beta=2.0), selection.Quest(), selection.H2O(per_head=True),
+            selection.SnapKV(per_head=True), selection.Quest(per_head=True)]
+IDS = [p.name + (" per head" if p.heads(MINI) > 1 else "") for p in POLICIES]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def covering_run(mini_params, tokens):
 @pytest.mark.cross_shape
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_a_budget_covering_every_entry_is_full_attention(mini_params, tokens, covering_run, policy):
-    """Every layer reads every visible entry at every query, so the logits are those of full attention."""
+    """Every layer (every head, for the policies that choose per head) reads every visible entry at every query, so
+    the logits are those of full attention."""
     logits, aux = model.forward(COVERING, mini_params, tokens, qat=True,
                                 instrument=Joined(KVSelection(policy, START), Probes()))
     full, full_aux = covering_run
@@ -49,9 +51,12 @@ def test_a_budget_covering_every_entry_is_full_attention(mini_params, tokens, co
         if spec.role == "swa":
             continue
         visible = (np.arange(S) + 1) // spec.ratio
-        ids = rec.topk[spec.index]
-        np.testing.assert_array_equal(np.sum(ids >= 0, axis=-1), np.broadcast_to(visible, (2, S)))
-        assert all(set(ids[b, t][ids[b, t] >= 0]) == set(range(visible[t])) for b in range(2) for t in range(S))
+        ids = rec.topk[spec.index]  # [B, S, K], or [B, S, H, K] per head
+        assert ids.ndim == (4 if policy.heads(COVERING) > 1 else 3)
+        ids = ids if ids.ndim == 4 else ids[:, :, None]
+        np.testing.assert_array_equal(np.sum(ids >= 0, axis=-1), np.broadcast_to(visible[:, None], ids.shape[:3]))
+        assert all(set(ids[b, t, h][ids[b, t, h] >= 0]) == set(range(visible[t]))
+                   for b in range(2) for t in range(S) for h in range(ids.shape[2]))
     # The same entries; PyramidKV's wider read (width 97, not 64) only reorders the float sums: a program of other
     # shapes, equal to rounding, and under the SPEC §8 fake-quant a rare re-rounded FP4 element moves later logits
     # (seen: 1.4e-4 on 19 % of them, with the mHC mix as multiply-adds). The read sets are checked exactly above.

@@ -547,3 +547,51 @@ def test_policies_are_hashable_frozen_and_width_is_budget():
     assert PyramidKV().width(MINI) == 28
     assert {p.name for p in (Oracle, StreamingLLM, H2O, SnapKV, PyramidKV, Quest)} == {
         "oracle", "streamingllm", "h2o", "snapkv", "pyramidkv", "quest"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Per head, as the papers choose
+
+def _one_head(v: View, head: int) -> View:
+    return View(q=v.q[:, :, head:head + 1], keys=v.keys, rest=v.rest[:, :, head:head + 1], visible=v.visible,
+                positions=v.positions)
+
+
+@pytest.mark.parametrize("name, choose", [
+    ("h2o", lambda v, per_head: h2o(v, 5, 0.4, jnp.array([6, 9]), per_head)),
+    ("snapkv", lambda v, per_head: snapkv(v, 5, 0.2, 3, 3, jnp.array([6, 9]), per_head)),
+    ("quest", lambda v, per_head: quest(v, 8, 4, per_head)),
+])
+def test_per_head_selection_is_each_heads_own_choice(name, choose):
+    """Per head, head h reads what the policy chooses for a layer of head h alone (its own cumulative scores, its
+    own observation-window attention, its own page bounds), `[B, S, H, N]`; pooled, one `[B, S, N]` for all. On
+    random attention the heads choose differently, and the pooled choice is none of theirs everywhere."""
+    rng = np.random.default_rng(9)
+    s, h, n = 14, 3, 16
+    visible = np.minimum(n, np.arange(s) + 3)
+    v = stack_views(*(make_view(rng.normal(size=(s, h, n)) * 3, visible, rest=rng.normal(size=(s, h)))
+                      for _ in range(2)))
+    got = np.asarray(choose(v, True))
+    assert got.shape == (2, s, h, n)
+    for head in range(h):
+        np.testing.assert_array_equal(got[:, :, head], np.asarray(choose(_one_head(v, head), False)),
+                                      err_msg=f"{name} head {head}")
+    assert not np.array_equal(got[:, :, 0], got[:, :, 1])
+    pooled = np.asarray(choose(v, False))
+    assert pooled.shape == (2, s, n) and not all(np.array_equal(pooled, got[:, :, k]) for k in range(h))
+
+
+def test_the_policies_that_rank_by_attention_choose_per_head_when_asked():
+    """H2O, SnapKV, PyramidKV and Quest read one set per head with `per_head=True` (their papers), one set for the
+    layer otherwise, as the oracle and StreamingLLM always do; a policy's mask has the shape `heads` says."""
+    heads = MINI.num_attention_heads
+    per_head = (H2O(per_head=True), SnapKV(per_head=True), PyramidKV(per_head=True), Quest(per_head=True))
+    assert [p.heads(MINI) for p in per_head] == [heads] * 4
+    assert [p.heads(MINI) for p in (H2O(), SnapKV(), PyramidKV(), Quest(), Oracle(), StreamingLLM())] == [1] * 6
+    assert H2O() != H2O(per_head=True)
+    v = make_view(np.random.default_rng(3).normal(size=(6, heads, 12)), np.arange(6) + 6)
+    cfg = MINI.replace(index_topk=4)
+    for p in (H2O(per_head=True), SnapKV(window=2, per_head=True), PyramidKV(window=2, per_head=True),
+              Quest(page=4, per_head=True), H2O(), SnapKV(window=2), Quest(page=4), Oracle(), StreamingLLM()):
+        mask = p.mask(cfg, v, jnp.int32(1), jnp.array([3]))
+        assert mask.shape == ((1, 6, heads, 12) if p.heads(cfg) > 1 else (1, 6, 12)), p

@@ -90,12 +90,34 @@ def test_budget_use_on_a_hand_record():
     start = 35
     keep = kv.budget_use(MINI, rec, selection.Quest(), start)
     assert all(v.shape == (b,) for v in keep.values())  # one figure per row
-    assert {k: v[0] for k, v in keep.items()} == pytest.approx({"reads": 16.0, "kept": 1.0, "recall": 0.6, "lost": 0.0})
+    assert {k: v[0] for k, v in keep.items()} == pytest.approx({"reads": 16.0, "distinct": 16.0, "kept": 1.0,
+                                                               "recall": 0.6, "lost": 0.0})
     evict = {k: v[0] for k, v in kv.budget_use(MINI, rec, selection.H2O(), start).items()}
     readers = [sp for sp in layer_plan(MINI) if sp.role != "swa"]
     kept = np.mean([16 / ((t + 1) // sp.ratio) for sp in readers for t in range(start, s)
                     if (t + 1) // sp.ratio > MINI.index_topk])
-    assert evict == pytest.approx({"reads": 16.0, "kept": kept, "recall": 0.6, "lost": 0.4})
+    assert evict == pytest.approx({"reads": 16.0, "distinct": 16.0, "kept": kept, "recall": 0.6, "lost": 0.4})
+
+
+def test_budget_use_per_head_reads_the_budget_per_head_and_keeps_the_union():
+    """Two heads reading 16 entries each, 8 of them in common: 16 read per step (per head), 24 distinct, and an
+    evicting policy must keep the 24 that some head still reads; a needle read by one head only is reached."""
+    b, s, h = 1, 40, 2
+    topk = np.full((b, s, h, MINI.index_topk), -1)
+    topk[:, :, 0, :16] = np.arange(16)  # entries 0..15
+    topk[:, :, 1, :16] = np.arange(8, 24)  # entries 8..23
+    mass = np.full((b, s, s), 1.0 / s)  # some Global mass at every query, so each one counts
+    rec = _probe(mass, topk[:, :, 0]).replace(topk=np.broadcast_to(topk, (MINI.num_hidden_layers, *topk.shape)))
+    start = 35
+    use = {k: v[0] for k, v in kv.budget_use(MINI, rec, selection.H2O(), start).items()}
+    readers = [sp for sp in layer_plan(MINI) if sp.role != "swa"]
+    kept = np.mean([24 / ((t + 1) // sp.ratio) for sp in readers for t in range(start, s)
+                    if (t + 1) // sp.ratio > MINI.index_topk])
+    assert (use["reads"], use["distinct"]) == (16.0, 24.0) and use["kept"] == pytest.approx(kept)
+    np.testing.assert_array_equal(kv.distinct_reads(np.array([[[[3, 1, -1], [1, 5, -1]]]])), [[3]])
+    np.testing.assert_allclose(kv.needle_reads(MINI, rec, [(60, 62)], 36, 2), [0.0])  # entries 60, 61 or 30
+    # entries 20, 21 (ratio 1: head 1 only) or 10 (ratio 2): every Global layer reaches it
+    np.testing.assert_allclose(kv.needle_reads(MINI, rec, [(20, 22)], 36, 2), [1.0])
 
 
 def test_format_table_has_a_line_per_row_and_states_each_intervals_n():

@@ -76,3 +76,59 @@ def test_a_new_tap_records_what_the_layer_saw(mini_params, tokens):
     counts = np.asarray(aux["tap"])  # [L, B, S]
     want = np.minimum(np.arange(S) + 1, MINI.sliding_window)
     np.testing.assert_array_equal(counts, np.broadcast_to(want, counts.shape))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OwnPerHead(Instrument):
+    """Every head reads the layer's own top-k, handed over as one set per head."""
+
+    def heads(self, cfg):
+        return cfg.num_attention_heads
+
+    def read(self, cfg, sight):
+        topk = sight.bus.topk
+        return jnp.broadcast_to(topk[:, :, None, :], topk.shape[:2] + (cfg.num_attention_heads, topk.shape[-1]))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RandomPerHead(Instrument):
+    """Every head of a Global-reading layer reads `k` visible entries of its own random draw."""
+
+    k: int = dataclasses.field(metadata=dict(static=True))
+
+    def width(self, cfg):
+        return self.k
+
+    def heads(self, cfg):
+        return cfg.num_attention_heads
+
+    def read(self, cfg, sight):
+        _, visible = sight.dense_ids()  # [B, S, N]
+        h = cfg.num_attention_heads
+        draw = jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(5), sight.layer), visible.shape[:2] + (h,)
+                                  + visible.shape[2:])
+        return select_topk(draw, jnp.broadcast_to(visible[:, :, None], draw.shape), self.k)
+
+
+def test_per_head_reads_plug_in_and_attend_head_by_head(mini_params, tokens):
+    """One read set per head (`Instrument.heads`): when every head reads the shared top-k the run is the plain one;
+    when each draws its own, each layer records `[B, S, H, k]` (−1 on SWA layers) and the run changes."""
+    plain, _ = model.forward(MINI, mini_params, tokens, qat=True)
+    same, aux = model.forward(MINI, mini_params, tokens, qat=True, instrument=Joined(OwnPerHead(), Probes()))
+    np.testing.assert_allclose(same, plain, rtol=1e-6, atol=1e-6)
+    h, k = MINI.num_attention_heads, 5
+    logits, aux = model.forward(MINI, mini_params, tokens, qat=True, instrument=Joined(RandomPerHead(k), Probes()))
+    read = np.asarray(aux["tap"].topk)
+    assert read.shape == (MINI.num_hidden_layers, 2, S, h, k)
+    for spec in layer_plan(MINI):
+        ids = read[spec.index]
+        if spec.role == "swa":
+            assert (ids == -1).all()
+            continue
+        visible = (np.arange(S) + 1) // spec.ratio
+        np.testing.assert_array_equal(np.sum(ids >= 0, axis=-1), np.minimum(visible, k)[None, :, None].repeat(2, 0)
+                                      .repeat(h, 2))
+        assert not np.array_equal(ids[:, :, 0], ids[:, :, 1]), "each head draws its own"
+    assert not np.allclose(logits, plain)
