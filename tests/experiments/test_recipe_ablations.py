@@ -4,6 +4,7 @@ statistics paired by seed, the read-budget sweep on the trained checkpoints."""
 import dataclasses
 import json
 
+import nbformat
 import numpy as np
 import pytest
 
@@ -218,3 +219,43 @@ def test_the_committed_ledger_holds_runs_of_the_full_settings():
             results.check(score["value"])
             assert score["commit"] and score["date"] >= "2026-12-06", (key, part)
 
+
+def test_the_committed_results_are_the_ledgers_runs(tmp_path):
+    """notebooks/recipe_ablations.json, the notebook's full run, is what `run` makes of the committed ledger alone:
+    every run of the full settings recorded, nothing trained, the same figures."""
+    assert ra.missing(ra.FULL) == []
+    got = results.load("recipe_ablations", fast=False)
+    assert got.pop("notebook") == "recipe_ablations" and got.pop("fast") is False
+    again = ra.run(dataclasses.replace(ra.FULL, out=str(tmp_path / "runs")))
+    assert got == json.loads(json.dumps(again)) and not (tmp_path / "runs").exists()
+
+
+def test_the_notebooks_prose_quotes_its_results():
+    """The figures of the notebook's reading are the saved results, so a re-run that moves them fails here until the
+    prose is rewritten."""
+    got = results.load("recipe_ablations", fast=False)
+    prose = " ".join(nbformat.read(results.ROOT / "notebooks" / "recipe_ablations.ipynb",
+                                   as_version=4).cells[-1].source.split())
+    init, ablate, budget = got["init_scale"], got["ablate"], got["read_budget"]
+    quoted = [*(init["across_seeds"][std] for std in ("0.02", "0.05", "0.1")),
+              *((init["vs_first"][std], "+.2f") for std in ("0.05", "0.1")),
+              ablate["across_seeds"]["recipe"]["128"]["digits"],
+              *((ablate["vs_first"][arm]["128"]["digits"], "+.2f") for arm in list(ra.FULL.arms)[1:]),
+              (ablate["vs_first"]["no induction rows"]["256"]["digits"], "+.2f"),
+              (ablate["vs_first"]["top-k 32, 8 blocks"]["512"]["digits"], "+.2f"),
+              (budget["vs_first"]["128, 32"]["128"], "+.2f"), (budget["vs_first"]["256, 64"]["512"], "+.2f")]
+    for item in quoted:
+        iv, form = item if isinstance(item, tuple) else (item, ".2f")
+        assert stats.interval_text(iv, form) in prose, iv
+    seeds = [ablate["runs"]["recipe"][s]["128"]["digits"]["value"] for s in ("0", "1", "2")]
+    assert "its seeds got {:.2f}, {:.2f} and {:.2f}".format(*seeds) in prose
+    assert all(not (iv["lo"] > 0 or iv["hi"] < 0) for line, iv in _comparisons(got)), "a claim now excludes 0"
+    assert "every one below holds 0" in prose
+
+
+def _comparisons(got):
+    """Every paired interval of the results (each std, arm and budget against the first, at every length)."""
+    out = [(std, iv) for std, iv in got["init_scale"]["vs_first"].items()]
+    out += [(arm, by_length[n]["digits"]) for arm, by_length in got["ablate"]["vs_first"].items() for n in by_length]
+    out += [(name, by_length[n]) for name, by_length in got["read_budget"]["vs_first"].items() for n in by_length]
+    return out
