@@ -90,7 +90,7 @@ def test_per_head_reads_count_each_heads_mass_on_its_own_set(mini_params, tokens
     """Under a policy that reads per head (SnapKV, as its paper), `read` is the mean over heads of each head's dense
     probability on its own set, `overlap` counts an oracle entry read by any head, and the mass not read by
     distance is the mass less what the heads read: by those definitions on the per-head probabilities of the
-    same run, computed here in NumPy; the fields that do not depend on the reads equal the plain record's."""
+    same run (tapped through `Sight.probs`, the model's own softmax), computed here in NumPy."""
     policy = KVSelection(SnapKV(window=4, per_head=True), 24)
     _, aux = model.forward(MINI, mini_params, tokens, qat=True, instrument=Joined(policy, STATS))
     got = jax.tree.map(np.asarray, aux["tap"])
