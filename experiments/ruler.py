@@ -1,6 +1,7 @@
 """RULER-style retrieval (Hsieh et al. 2024) as length × depth grids: beyond one pass key, several keys with
 distractors, one key holding several values, several keys asked at once, each under the model's own top-k or a
-KV-selection policy at the same read budget (SPEC §14).
+KV-selection policy at the same read budget (SPEC §14; per head for the policies that choose per head, so a layer may
+load up to `heads ×` the budget). `paired_by_length` compares two policies on the same prompts.
 
 Tasks (`TASKS`, built by `train.data.ruler_example`; keys of 4 digits):
 - "single": one named key, asked for;
@@ -122,4 +123,21 @@ def by_length(cells: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
         digits = np.concatenate([c["digits_by_prompt"] for c in row.values()])
         out[length] = {"exact": stats.proportion_interval(right, len(digits)).as_dict(),
                        "digits": stats.mean_interval(digits).as_dict()}
+    return out
+
+
+def paired_by_length(cells: dict[str, dict[str, dict]], other: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """{length: the digits right of `cells` minus those of `other` (two `grid`s of one task, seed and wording, so
+    the same prompts), prompt by prompt over every depth of the length: the mean difference and its bootstrap
+    interval over the prompts, `Interval.as_dict()`}."""
+    out = {}
+    for length, row in cells.items():
+        theirs = other.get(length, {})
+        if set(theirs) != set(row) or any(len(theirs[d]["digits_by_prompt"]) != len(c["digits_by_prompt"])
+                                          for d, c in row.items()):
+            raise ValueError(f"paired_by_length: length {length} has depths {sorted(row)} here and "
+                             f"{sorted(theirs)} there, or other prompt counts; pair grids of the same cells")
+        diffs = np.concatenate([np.subtract(c["digits_by_prompt"], theirs[d]["digits_by_prompt"])
+                                for d, c in row.items()])
+        out[length] = stats.mean_interval(diffs).as_dict()
     return out

@@ -92,6 +92,24 @@ def test_by_length_pools_the_prompts_of_every_depth():
     assert pooled["512"]["exact"] == stats.proportion_interval(2, 2).as_dict()
 
 
+def test_paired_by_length_differs_prompt_by_prompt_over_every_depth():
+    """A policy 0.25 above the other on every prompt differs by exactly 0.25 at that length, whatever the prompts'
+    spread; the grids must hold the same cells."""
+    def cell(digits):
+        return {"digits_by_prompt": digits}
+    low, high = [1.0, 0.75, 0.5, 0.0], [0.0, 0.25, 0.25, 0.5]
+    ours = {"256": {"0.1": cell(low), "0.9": cell(high)}, "512": {"0.1": cell([0.5, 1.0])}}
+    theirs = {"256": {"0.1": cell([d - 0.25 for d in low]), "0.9": cell([d - 0.25 for d in high])},
+              "512": {"0.1": cell([0.5, 0.0])}}
+    got = ruler.paired_by_length(ours, theirs)
+    assert got["256"]["n"] == 8 and got["256"]["value"] == got["256"]["lo"] == got["256"]["hi"] == 0.25
+    assert got["512"] == stats.mean_interval([0.0, 1.0]).as_dict()
+    with pytest.raises(ValueError, match="length 512 has depths"):
+        ruler.paired_by_length(ours, {**theirs, "512": {"0.5": cell([0.5, 0.0])}})
+    with pytest.raises(ValueError, match="other prompt counts"):
+        ruler.paired_by_length(ours, {**theirs, "512": {"0.1": cell([0.5])}})
+
+
 def test_a_policy_reads_the_answer_steps(fast_model):
     """At a budget of one entry, the oracle reads other entries than the model's own top-k: the answer moves."""
     cfg, params = fast_model
@@ -113,12 +131,17 @@ def test_held_out_prompts_are_the_same_tasks_in_other_words():
 
 def test_the_committed_results_are_their_prompts():
     """notebooks/ruler.json, the notebook's full run: at least 64 held-out-wording prompts per cell up to the
-    longest training length; each cell's figures are what its per-prompt records give, and the by-length figures
-    pool those cells."""
+    longest training length, under csa2 and at least one KV-selection policy; each cell's figures are what its
+    per-prompt records give, the by-length figures pool those cells, and each policy's paired difference to csa2 is
+    that of their per-prompt records."""
     got = results.load("ruler", fast=False)
     sizes = got["sizes"]
     assert not got["fast"] and sizes["samples"] >= 64 and sizes["template"] == "held_out"
     assert max(sizes["lengths"]) == 2048
+    assert "csa2" in got["grids"] and set(got["minus_csa2"]) == set(got["grids"]) - {"csa2"} != set()
+    for name, by_task in got["minus_csa2"].items():
+        assert by_task == {task: ruler.paired_by_length(got["grids"][name][task], got["grids"]["csa2"][task])
+                           for task in ruler.TASKS}
     for name, by_task in got["grids"].items():
         assert set(by_task) == set(ruler.TASKS)
         for task, cells in by_task.items():
@@ -142,4 +165,16 @@ def test_the_notebooks_prose_quotes_its_results():
     quoted.append(by_length["single"]["2048"]["exact"])
     for iv in quoted:
         assert stats.interval_text(iv) in prose, iv
-    assert f"{got['seconds']['csa2']:.0f} s for the grids" in prose
+    snapkv = got["minus_csa2"]["snapkv"]
+    paired = [snapkv["single"]["2048"], snapkv["multikey"]["2048"], snapkv["multiquery"]["256"],
+              snapkv["multiquery"]["2048"], snapkv["multivalue"]["2048"]]
+    for iv in paired:
+        assert stats.interval_text(iv, "+.3f") in prose, iv
+    # what the prose says of the paired intervals: single and multikey hold 0 everywhere, multiquery nowhere,
+    # multivalue excludes 0 at 512 and 2048 only
+    excludes = {task: [n for n, iv in by_n.items() if iv["lo"] > 0 or iv["hi"] < 0] for task, by_n in snapkv.items()}
+    assert excludes == {"single": [], "multikey": [], "multivalue": ["512", "2048"],
+                        "multiquery": ["256", "512", "1024", "2048"]}
+    assert all(iv["hi"] < 0 for iv in snapkv["multiquery"].values())
+    assert max(abs(iv["value"]) for by_n in snapkv.values() for iv in by_n.values()) <= 0.04
+    assert f"{got['seconds']['csa2']:.0f} s for csa2's grids, {got['seconds']['snapkv']:.0f} s for" in prose
