@@ -21,7 +21,8 @@ after the prompt read (the one-shot policies compress the cache at `start`). Eve
 | `Oracle`       | the entries of largest true attention            | every entry   | nothing                        |
 
 Each policy is a pure function of a `View` (one layer's queries, every Global entry, the window's share of
-the softmax) to a read mask; `read` turns it into the entry ids the layer reads. Attention scores are the SPEC §3
+the softmax) to a read mask; `Policy.read` turns it into the entry ids the layer reads, a block of queries at a
+time, so that no whole layer's `[B, S, H, N]` mask is built. Attention scores are the SPEC §3
 sink softmax. The policies that rank entries by them (H2O, SnapKV, PyramidKV, Quest: `PerHead`) pool the scores
 over heads into one mask `[B, S, N]` that the heads share, as CSA2's top-k is (the default; the oracle and
 StreamingLLM always do), or, with `per_head=True`, choose for each head on its own as their papers do: a mask
@@ -48,6 +49,7 @@ from pallas_kernels import reference
 from pallas_kernels.stored import NO_ENTRY
 
 Array = jax.Array
+BLOCK = 256  # queries at a time where a whole layer's per-query arrays [B, S, H, N] would not fit in memory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +89,7 @@ class View:
         softmax (SPEC §3 without top-k)."""
         return sink_softmax(self.logits(), self.rest)
 
-    def mass(self, block: int = 256) -> Array:
+    def mass(self, block: int = BLOCK) -> Array:
         """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`research.probe`'s mass),
         `block` queries at a time: the per-head probabilities of one block `[B, block, H, N]` are the largest
         array, so a 16K-token layer needs O(S·N), not O(S·H·N), memory."""
@@ -116,6 +118,22 @@ def map_query_blocks(fn, per_query: dict, block: int) -> tuple[Any, Any]:
 
     rows, extra = jax.lax.map(fn, jax.tree.map(split, per_query))
     return jax.tree.map(join, rows), extra
+
+
+def mask_ids(mask: Array, width: int) -> Array:
+    """The entries of a read mask `[..., N]` as ascending ids `[..., width]`, −1-padded (at most `width` set)."""
+    return select_topk(jnp.zeros(mask.shape, jnp.float32), mask, width)
+
+
+def blockwise_ids(mask_of, v: View, width: int, block: int) -> Array:
+    """`mask_ids(mask_of(part), width)` over blocks of at most `block` queries of `v`, joined `[B, S, ..., width]`:
+    a mask `[B, S, H, N]` of a whole 16K-token layer is never built. `mask_of` must treat each query on its own
+    (a query's mask may not depend on the others in its block)."""
+    def one_block(part):
+        return mask_ids(mask_of(View(keys=v.keys, **part)), width), None
+
+    per_query = dict(q=v.q, rest=v.rest, visible=v.visible, positions=v.positions)
+    return map_query_blocks(one_block, per_query, block)[0]
 
 
 def id_mask(ids: Array, n: int) -> Array:
@@ -209,7 +227,7 @@ def streaming_llm(v: View, budget: Array | int, sinks: int) -> Array:
     return fill_newest(dense & (jnp.arange(v.entries) < sinks), dense, budget)
 
 
-def h2o(v: View, budget: int, recent: float, start: Array | int, per_head: bool = False) -> Array:
+def h2o(v: View, budget: int, recent: float, start: Array | int, per_head: bool = False, emit=None) -> Array:
     """H2O: heavy hitters by cumulative attention plus the newest `⌊recent · budget⌋` entries.
 
     Before `start` (the prefill; an int or one per row [B]) every query attends densely and its
@@ -217,7 +235,9 @@ def h2o(v: View, budget: int, recent: float, start: Array | int, per_head: bool 
     probabilities over that set (the window and sink in the denominator) accumulate, and when an entry
     leaves the newest ones the `budget − ⌊recent · budget⌋` kept entries of largest cumulative score stay
     heavy: the others are evicted for ever. Each head keeps its own scores and set (`per_head`, `[B, S, H, N]`,
-    as the paper), or the scores are summed over heads into one set they share (`[B, S, N]`).
+    as the paper), or the scores are summed over heads into one set they share (`[B, S, N]`). `emit` maps each
+    step's read mask `[B, G, N]` to what the scan stacks (default: the mask; `H2O.read` stacks its ids instead, so
+    a 16K-token layer holds O(S·G·K), not O(S·G·N)).
     """
     b, n, heads = v.visible.shape[0], v.entries, v.q.shape[2]
     groups = heads if per_head else 1
@@ -236,12 +256,12 @@ def h2o(v: View, budget: int, recent: float, start: Array | int, per_head: bool 
         probs = sink_softmax(jnp.where(jnp.repeat(read, heads // groups, axis=1), logit, -jnp.inf), rest)
         acc = acc + over_heads(probs, groups, 1, jnp.sum)
         candidates = read & ~newest(nxt, newest_count, n)[:, None, :]  # what leaves the newest may stay heavy
-        return (acc, top(acc, candidates, heavy_count)), read
+        return (acc, top(acc, candidates, heavy_count)), read if emit is None else emit(read)
 
     prefill = (v.positions < _per_row(start, b)[:, None]).T  # [S, B]
     xs = (jnp.moveaxis(v.q, 1, 0), jnp.moveaxis(v.rest, 1, 0), v.visible.T, v.positions.T, vis_next.T, prefill)
     init = (jnp.zeros((b, groups, n), jnp.float32), jnp.zeros((b, groups, n), bool))
-    _, reads = jax.lax.scan(step, init, xs)  # [S, B, G, N]
+    _, reads = jax.lax.scan(step, init, xs)  # [S, B, G, N] (or what `emit` makes of each step)
     return _heads_out(jnp.moveaxis(reads, 0, 1), per_head)
 
 
@@ -251,6 +271,12 @@ def snapkv(v: View, budget: Array | int, recent: float, window: int, kernel: int
     `kernel` neighbouring entries) chooses `budget − ⌊recent · budget⌋` prompt entries, once; every later query
     reads them and the newest entries up to `budget`. Each head chooses by its own attention (`per_head`,
     `[B, S, H, N]`, as the paper), or all by their mean attention (`[B, S, N]`)."""
+    return snapkv_reads(v, snapkv_choice(v, budget, recent, window, kernel, start, per_head), budget, per_head)
+
+
+def snapkv_choice(v: View, budget: Array | int, recent: float, window: int, kernel: int, start: Array | int,
+                  per_head: bool) -> Array:
+    """The prompt entries SnapKV chooses at `start` `[B, G, N]` (G = H per head, else 1), as `snapkv` says."""
     b, s, heads = v.q.shape[:3]
     n = v.entries
     start = _per_row(start, b)[:, None]
@@ -270,7 +296,12 @@ def snapkv(v: View, budget: Array | int, recent: float, window: int, kernel: int
     at_start = jnp.max(jnp.where(observed, obs.visible, 0), axis=1)  # entries visible at the prompt's end [B]
     recent_n = recent_count(budget, recent)
     older = jnp.arange(n) < (at_start - recent_n)[:, None, None]  # not among the newest at the prompt's end
-    chosen = top(pooled, older, budget - recent_n)  # [B, G, N]
+    return top(pooled, older, budget - recent_n)
+
+
+def snapkv_reads(v: View, chosen: Array, budget: Array | int, per_head: bool) -> Array:
+    """What SnapKV's queries read once it has `chosen` its prompt entries `[B, G, N]`: those and the newest
+    visible entries up to `budget`. Each query on its own: `v` may hold any block of the queries."""
     dense = v.dense()[:, :, None, :]
     return _heads_out(fill_newest(chosen[:, None] & dense, dense, budget), per_head)
 
@@ -310,6 +341,11 @@ class Policy:
         """The read mask `[B, S, N]` of layer `layer` (may be traced) at budget `cfg.index_topk`, for queries
         from `start` [B] on (the prefill before it informs the one-shot and cumulative policies)."""
         raise NotImplementedError
+
+    def read(self, cfg: ModelConfig, v: View, layer: Array, start: Array, block: int = BLOCK) -> Array:
+        """The ids of `mask` (`[B, S, width]`, per head `[B, S, H, width]`; ascending, −1-padded), `block` queries
+        at a time (a policy whose queries' masks depend on one another overrides this)."""
+        return blockwise_ids(lambda part: self.mask(cfg, part, layer, start), v, self.width(cfg), block)
 
     def width(self, cfg: ModelConfig) -> int:
         """The most entries one layer reads per query (per head where it reads per head)."""
@@ -375,6 +411,12 @@ class H2O(PerHead):
     def mask(self, cfg, v, layer, start):
         return h2o(v, cfg.index_topk, self.recent, start, self.per_head)
 
+    def read(self, cfg, v, layer, start, block=BLOCK):
+        """One scan over the queries (each step's scores carry to the next; `block` does not apply): it stacks each
+        step's ids, not its mask."""
+        width = self.width(cfg)
+        return h2o(v, cfg.index_topk, self.recent, start, self.per_head, emit=lambda read: mask_ids(read, width))
+
     def check(self, cfg, length, start):
         super().check(cfg, length, start)
         self._share("recent", self.recent)
@@ -392,6 +434,13 @@ class SnapKV(PerHead):
 
     def mask(self, cfg, v, layer, start):
         return snapkv(v, self.budget(cfg, layer), self.recent, self.window, self.kernel, start, self.per_head)
+
+    def read(self, cfg, v, layer, start, block=BLOCK):
+        """The choice at `start` from the whole prompt, then the reads `block` queries at a time."""
+        budget = self.budget(cfg, layer)
+        chosen = snapkv_choice(v, budget, self.recent, self.window, self.kernel, start, self.per_head)
+        return blockwise_ids(lambda part: snapkv_reads(part, chosen, budget, self.per_head), v, self.width(cfg),
+                             block)
 
     def check(self, cfg, length, start):
         super().check(cfg, length, start)
@@ -468,9 +517,8 @@ class KVSelection(Instrument):
     def read(self, cfg: ModelConfig, sight: Sight) -> Array:
         """The entry ids `[B, S, policy.width(cfg)]` (per head: `[B, S, H, width]`; ascending, −1-padded) the layer
         reads; before `start` every head reads the model's own top-k."""
-        mask = self.policy.mask(cfg, view(sight), sight.layer, self.start)
+        ids = self.policy.read(cfg, view(sight), sight.layer, self.start)
         width = self.policy.width(cfg)
-        ids = select_topk(jnp.zeros(mask.shape, jnp.float32), mask, width)
         topk = sight.bus.topk
         own = jnp.pad(topk, [(0, 0), (0, 0), (0, width - topk.shape[-1])], constant_values=NO_ENTRY)
         positions = sight.positions

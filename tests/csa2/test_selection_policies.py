@@ -25,6 +25,7 @@ from research.selection import (
     View,
     fill_newest,
     h2o,
+    mask_ids,
     newest,
     oracle,
     quest,
@@ -595,3 +596,22 @@ def test_the_policies_that_rank_by_attention_choose_per_head_when_asked():
               Quest(page=4, per_head=True), H2O(), SnapKV(window=2), Quest(page=4), Oracle(), StreamingLLM()):
         mask = p.mask(cfg, v, jnp.int32(1), jnp.array([3]))
         assert mask.shape == ((1, 6, heads, 12) if p.heads(cfg) > 1 else (1, 6, 12)), p
+
+
+@pytest.mark.parametrize("block", [1, 4, 7])
+def test_a_policy_reads_the_ids_of_its_whole_mask_block_by_block(block):
+    """`Policy.read` (what `KVSelection` reads: the ids, `block` queries at a time, the last block padded) is the ids
+    of the mask of the whole layer, for every policy, per head and pooled, with one start per row: SnapKV chooses
+    from the whole prompt though a block may not hold its observation queries, H2O carries its scores across."""
+    heads, s, n = MINI.num_attention_heads, 7, 12
+    rng = np.random.default_rng(5)
+    v = stack_views(make_view(rng.normal(size=(s, heads, n)), np.arange(s) + 5),
+                    make_view(rng.normal(size=(s, heads, n)), np.minimum(np.arange(s) + 4, n),
+                              rest=rng.normal(size=(s, heads))))
+    cfg, start, layer = MINI.replace(index_topk=4), jnp.array([3, 5]), jnp.int32(2)
+    for p in (H2O(per_head=True), SnapKV(window=2, per_head=True), PyramidKV(window=2, per_head=True),
+              Quest(page=2, per_head=True), H2O(per_head=False),
+              SnapKV(window=2, per_head=False), PyramidKV(window=2, per_head=False), Quest(page=2, per_head=False),
+              Oracle(), StreamingLLM(sinks=1)):
+        whole = mask_ids(p.mask(cfg, v, layer, start), p.width(cfg))
+        np.testing.assert_array_equal(p.read(cfg, v, layer, start, block=block), whole, err_msg=str(p))
