@@ -93,8 +93,13 @@ class View:
         """Dense attention probability of each entry `[B, S, N]`, averaged over heads (`research.probe`'s mass),
         `block` queries at a time: the per-head probabilities of one block `[B, block, H, N]` are the largest
         array, so a 16K-token layer needs O(S·N), not O(S·H·N), memory."""
+        return self.by_blocks(lambda part: jnp.mean(part.probs(), axis=2), block)  # [B, S, N]
+
+    def by_blocks(self, fn, block: int) -> Array:
+        """`fn(part)` over views of at most `block` of the queries (every entry), joined `[B, S, ...]`: `fn` must
+        treat each query on its own (what it gives a query may not depend on the others in its block)."""
         def one_block(part):
-            return jnp.mean(View(keys=self.keys, **part).probs(), axis=2), None  # [B, size, N]
+            return fn(View(keys=self.keys, **part)), None
 
         per_query = dict(q=self.q, rest=self.rest, visible=self.visible, positions=self.positions)
         return map_query_blocks(one_block, per_query, block)[0]
@@ -123,17 +128,6 @@ def map_query_blocks(fn, per_query: dict, block: int) -> tuple[Any, Any]:
 def mask_ids(mask: Array, width: int) -> Array:
     """The entries of a read mask `[..., N]` as ascending ids `[..., width]`, −1-padded (at most `width` set)."""
     return select_topk(jnp.zeros(mask.shape, jnp.float32), mask, width)
-
-
-def blockwise_ids(mask_of, v: View, width: int, block: int) -> Array:
-    """`mask_ids(mask_of(part), width)` over blocks of at most `block` queries of `v`, joined `[B, S, ..., width]`:
-    a mask `[B, S, H, N]` of a whole 16K-token layer is never built. `mask_of` must treat each query on its own
-    (a query's mask may not depend on the others in its block)."""
-    def one_block(part):
-        return mask_ids(mask_of(View(keys=v.keys, **part)), width), None
-
-    per_query = dict(q=v.q, rest=v.rest, visible=v.visible, positions=v.positions)
-    return map_query_blocks(one_block, per_query, block)[0]
 
 
 def id_mask(ids: Array, n: int) -> Array:
@@ -345,7 +339,8 @@ class Policy:
     def read(self, cfg: ModelConfig, v: View, layer: Array, start: Array, block: int = BLOCK) -> Array:
         """The ids of `mask` (`[B, S, width]`, per head `[B, S, H, width]`; ascending, −1-padded), `block` queries
         at a time (a policy whose queries' masks depend on one another overrides this)."""
-        return blockwise_ids(lambda part: self.mask(cfg, part, layer, start), v, self.width(cfg), block)
+        width = self.width(cfg)
+        return v.by_blocks(lambda part: mask_ids(self.mask(cfg, part, layer, start), width), block)
 
     def width(self, cfg: ModelConfig) -> int:
         """The most entries one layer reads per query (per head where it reads per head)."""
@@ -439,8 +434,8 @@ class SnapKV(PerHead):
         """The choice at `start` from the whole prompt, then the reads `block` queries at a time."""
         budget = self.budget(cfg, layer)
         chosen = snapkv_choice(v, budget, self.recent, self.window, self.kernel, start, self.per_head)
-        return blockwise_ids(lambda part: snapkv_reads(part, chosen, budget, self.per_head), v, self.width(cfg),
-                             block)
+        width = self.width(cfg)
+        return v.by_blocks(lambda part: mask_ids(snapkv_reads(part, chosen, budget, self.per_head), width), block)
 
     def check(self, cfg, length, start):
         super().check(cfg, length, start)
