@@ -176,8 +176,17 @@ def fill_newest(keep: Array, dense: Array, budget: Array | int) -> Array:
 
 def top(scores: Array, where: Array, count: Array | int) -> Array:
     """The `count` entries of largest score among `where` (masks `[..., N]`, `where` broadcast to the scores'
-    shape; ties: the lower id first)."""
+    shape; ties: the lower id first). A Python-int `count` takes one partial `top_k`; a traced one (PyramidKV's
+    per-layer budgets, one per row) ranks every entry with two sorts."""
     where = jnp.broadcast_to(where, scores.shape)
+    if isinstance(count, int):
+        k = min(max(count, 0), scores.shape[-1])
+        if k == 0:
+            return jnp.zeros(scores.shape, bool)
+        # −inf scores among `where` must still outrank what is not in it: rank by (where, score) as one key
+        key = jnp.where(where, jnp.maximum(scores, jnp.finfo(jnp.float32).min), -jnp.inf)
+        _, ids = jax.lax.top_k(key.astype(jnp.float32), k)  # ties: the lower index first
+        return id_mask(ids, scores.shape[-1]) & where
     order = jnp.lexsort((jnp.where(where, -scores, 0.0), ~where), axis=-1)  # `where` first, then by score
     rank = jnp.argsort(order, axis=-1, stable=True)
     count = jnp.asarray(count)

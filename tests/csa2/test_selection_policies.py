@@ -125,6 +125,19 @@ def test_top_selects_a_lone_minus_inf_score_among_where():
     np.testing.assert_array_equal(np.asarray(got), [False, True])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_top_with_an_int_count_equals_the_ranking_of_every_entry(seed):
+    """A Python-int count (one partial top_k) selects what a traced count (two sorts of every entry) does, with
+    ties, −inf scores inside and outside `where`, and counts from 0 past |where|: the two paths are one rule."""
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, 4, (3, 5, 12)).astype(np.float32)  # few distinct values: many ties
+    scores[rng.random(scores.shape) < 0.2] = -np.inf
+    where = jnp.asarray(rng.random(scores.shape) < 0.7)
+    for count in (0, 1, 3, 7, 12, 20):
+        np.testing.assert_array_equal(np.asarray(top(jnp.asarray(scores), where, count)),
+                                      np.asarray(jax.jit(top)(jnp.asarray(scores), where, jnp.int32(count))))
+
+
 def test_recent_count_is_floor_of_share():
     """`recent_count` is ⌊share · budget⌋: a Python int for an int budget, int32 for an array budget."""
     assert recent_count(8, 0.25) == 2 and isinstance(recent_count(8, 0.25), int)
