@@ -5,9 +5,10 @@ Every policy of `research.selection` runs inside the model (`forward(..., instru
 numerics, probes on): the positions before `start` are the prefill and read the model's own top-k, the ones
 from `start` on read what the policy chooses, `index_topk` Global entries per step (the budget; PyramidKV: on
 average over layers), next to the sliding window every policy keeps. "csa2" is the model's own indexer. H2O,
-SnapKV, PyramidKV and Quest pool their heads' scores into one set by default; with `per_head=True` they choose for
-each attention head on its own, as their papers do: each head then reads the budget, and since the heads share
-one Global KV (SPEC §3), a layer loads, and an evicting policy must keep, the union of its heads' sets.
+SnapKV, PyramidKV and Quest choose for each attention head on its own, as their papers do: each head reads the
+budget, and since the heads share one Global KV (SPEC §3), a layer loads, and an evicting policy must keep, the
+union of its heads' sets. `pooled()` gives the same four choosing one set from their heads' pooled scores, as
+csa2's indexer does.
 
 Measures, over the Global-reading layers and the queries from `start` on that see more entries than the budget
 (`budget_use`): `reads` entries read per step (per head), `distinct` the distinct entries read per step (all
@@ -22,11 +23,16 @@ middle on.
 
 Each quality figure comes with its n and a 95 % interval over prompts, the independent unit (the digits of one
 key are not: `infer.stats.prompt_intervals`): keys retrieved whole as a share of independent trials (Wilson), the other
-means by a bootstrap over prompts (`infer.stats`).
+means by a bootstrap over prompts (`infer.stats`). Two policies run on the same prompts, so `paired` compares them
+prompt by prompt: the mean difference and its bootstrap interval, tighter than two intervals side by side.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import pathlib
+import time
 from typing import Mapping
 
 import jax
@@ -38,8 +44,9 @@ from csa2.config import ModelConfig
 from csa2.hooks import Joined
 from csa2.indexer import visible_entries
 from csa2.layout import layer_plan
-from experiments import topk
+from experiments import ledger as ledger_lib, topk
 from infer import stats
+from infer.schedule import config_fingerprint
 from research import selection
 from research.probe_stats import ProbeStats, Summary
 from train.data import multi_needle_example, passkey_example
@@ -54,6 +61,16 @@ def policies() -> dict[str, selection.Policy | None]:
              "quest": selection.Quest()}
     assert tuple(found) == NAMES
     return found
+
+
+POOLED = ("h2o", "snapkv", "pyramidkv", "quest")  # the policies that choose per head unless asked to pool
+
+
+def pooled() -> dict[str, selection.Policy]:
+    """The policies of `POOLED` choosing one set for all the heads of a layer (`per_head=False`), as csa2's
+    indexer does, named "<name> pooled"."""
+    found = policies()
+    return {f"{name} pooled": dataclasses.replace(found[name], per_head=False) for name in POOLED}
 
 
 def run(cfg: ModelConfig, params, tokens, policy: selection.Policy | None, start) -> tuple[np.ndarray, Summary]:
@@ -167,51 +184,77 @@ def bits_per_byte(logprobs: np.ndarray, targets: np.ndarray, start: int) -> np.n
 
 def evaluate(cfg: ModelConfig, params, budgets, *, length: int, depths, samples: int, text: np.ndarray,
              keys: int = 2, template: str = "held_out", chosen: Mapping[str, selection.Policy | None] | None = None,
-             log=lambda _: None) -> list[dict]:
+             ledger: str | pathlib.Path | None = None, log=lambda _: None) -> list[dict]:
     """The baseline table: one row per (budget, policy of `chosen`, default `policies()`) with `budget_use` on the
     pass-key prompts (means over prompts; `use_intervals`: {measure: interval} over them,
-    `infer.stats.prompt_intervals`), pass-key and `keys`-needle scores (means over depths; `by_depth` per depth:
-    {depth: {exact, digits, bits, needle}}; `needle` = `needle_reads`; `<task>_intervals`: {measure: interval} over
-    the `samples · len(depths)` prompts, `infer.stats.prompt_intervals`), and bits per byte of `text [B =
-    len(depths), length + digits]` scored from its middle on (`bpb_interval` over its rows; None with one row).
+    `infer.stats.prompt_intervals`), pass-key and `keys`-needle scores (means over depths; `by_depth` per depth
+    `depth_key(d)`: {exact, digits, bits, needle}; `needle` = `needle_reads`; `<task>_intervals`: {measure:
+    interval} over the `samples · len(depths)` prompts, `infer.stats.prompt_intervals`), bits per byte of `text [B =
+    len(depths), length + digits]` scored from its middle on (`bpb_interval` over its rows; None with one row), the
+    per-prompt values behind the quality figures (`per_prompt`, for `paired`) and the row's `seconds`. A measure
+    with no qualifying query (NaN) is left out of its row.
+
     Every run of one (budget, policy) shares one compiled program (the same shapes; the start is traced). The
-    retrieval prompts are worded by `template` (`retrieval_examples`)."""
+    retrieval prompts are worded by `template` (`retrieval_examples`). A row the `ledger` (`experiments.ledger`)
+    records under the same setup (the digest of `params`, the config, the sizes, the text, the policy's settings)
+    is read from it; otherwise it is measured and recorded, so a long table resumes where a run stopped."""
     passkeys = retrieval_examples(length, depths, samples, template=template)
     needles = retrieval_examples(length, depths, samples, keys=keys, template=template)
-    start = length - 1  # every answer digit is predicted under the policy
-    text_start = length // 2
+    setup = {"params": ledger_lib.tree_digest(params), "length": length, "depths": [float(d) for d in depths],
+             "samples": samples, "keys": keys, "template": template,
+             "text": hashlib.sha256(np.ascontiguousarray(text, np.int32).tobytes()).hexdigest()[:16]}
     rows = []
     for budget in budgets:
         at = cfg.replace(index_topk=budget)
         for name, policy in (policies() if chosen is None else chosen).items():
-            row = {"budget": budget, "policy": name, "evicts": bool(policy is not None and policy.evicts)}
-            uses = []
-            for task, examples in (("passkey", passkeys), ("needles", needles)):
-                scores = []
-                for tokens, answers in examples:
-                    logprobs, rec = run(at, params, tokens, policy, start)
-                    spans = [needle_span(row[:start], a) for row, a in zip(tokens, answers)]
-                    scores.append({**answer_scores(logprobs, answers, start),
-                                   "needle": needle_reads(at, rec, spans, start, answers.shape[1])})
-                    if task == "passkey":
-                        uses.append(budget_use(at, rec, policy, start))
-                merged = {k: np.mean([s[k] for s in scores], axis=0) for k in scores[0]}  # [depths]
-                row.update({f"{task}_{k}": float(np.mean(v)) for k, v in merged.items()})
-                row[f"{task}_intervals"] = stats.prompt_intervals(
-                    {k: np.concatenate([s[k] for s in scores]) for k in scores[0]}, shares=("exact",))
-                row[f"{task}_by_depth"] = {float(d): {k: float(v[i]) for k, v in merged.items()}
-                                           for i, d in enumerate(depths)}
-            use = {k: np.concatenate([u[k] for u in uses]) for k in uses[0]}  # [prompts] each
-            row.update({k: float(np.mean(v)) for k, v in use.items()})
-            row["use_intervals"] = stats.prompt_intervals(use)
-            logprobs, _ = run(at, params, text[:, :-1], policy, text_start)
-            per_row = bits_per_byte(logprobs, text[:, 1:], text_start)
-            row["bpb"] = float(np.mean(per_row))
-            row["bpb_interval"] = (stats.prompt_intervals({"bpb": per_row}) or {}).get("bpb")
+            recipe = {**setup, "config": config_fingerprint(at), "policy": name, "settings": repr(policy)}
+            row = ledger_lib.cached(ledger, recipe, "row", lambda: measure_row(
+                at, params, name, policy, depths, passkeys, needles, text, length))
             log(f"budget {budget} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
                                                          if isinstance(v, float)))
             rows.append(row)
     return rows
+
+
+def measure_row(cfg: ModelConfig, params, name: str, policy: selection.Policy | None, depths, passkeys, needles,
+                text: np.ndarray, length: int) -> dict:
+    """One row of `evaluate` at `cfg.index_topk`, measured."""
+    t0 = time.perf_counter()
+    start = length - 1  # every answer digit is predicted under the policy
+    row = {"budget": cfg.index_topk, "policy": name, "evicts": bool(policy is not None and policy.evicts),
+           "per_prompt": {}}
+    uses = []
+    for task, examples in (("passkey", passkeys), ("needles", needles)):
+        scores = []
+        for tokens, answers in examples:
+            logprobs, rec = run(cfg, params, tokens, policy, start)
+            spans = [needle_span(prompt[:start], a) for prompt, a in zip(tokens, answers)]
+            scores.append({**answer_scores(logprobs, answers, start),
+                           "needle": needle_reads(cfg, rec, spans, start, answers.shape[1])})
+            if task == "passkey":
+                uses.append(budget_use(cfg, rec, policy, start))
+        merged = {k: np.mean([s[k] for s in scores], axis=0) for k in scores[0]}  # [depths]
+        per_prompt = {k: np.concatenate([s[k] for s in scores]) for k in scores[0]}
+        row.update({f"{task}_{k}": float(np.mean(v)) for k, v in merged.items()})
+        row[f"{task}_intervals"] = stats.prompt_intervals(per_prompt, shares=("exact",))
+        row[f"{task}_by_depth"] = {depth_key(d): {k: float(v[i]) for k, v in merged.items()}
+                                   for i, d in enumerate(depths)}
+        row["per_prompt"][task] = {k: v.tolist() for k, v in per_prompt.items()}
+    use = {k: np.concatenate([u[k] for u in uses]) for k in uses[0]}  # [prompts] each
+    row.update({k: float(np.mean(v)) for k, v in use.items()})
+    row["use_intervals"] = stats.prompt_intervals(use)
+    logprobs, _ = run(cfg, params, text[:, :-1], policy, length // 2)
+    per_row = bits_per_byte(logprobs, text[:, 1:], length // 2)
+    row["bpb"] = float(np.mean(per_row))
+    row["bpb_interval"] = (stats.prompt_intervals({"bpb": per_row}) or {}).get("bpb")
+    row["per_prompt"]["bpb"] = per_row.tolist()
+    row["seconds"] = time.perf_counter() - t0
+    return {k: v for k, v in row.items() if not (isinstance(v, float) and np.isnan(v))}
+
+
+def depth_key(depth: float) -> str:
+    """The key of a needle depth in a row's `<task>_by_depth` (a JSON object's keys are strings)."""
+    return str(float(depth))
 
 
 USE = ("reads", "distinct", "kept", "recall", "lost")  # the `budget_use` columns
@@ -231,6 +274,25 @@ def interval_of(row: dict, column: str) -> dict | None:
     return (row.get(f"{task}_intervals") or {}).get(measure)
 
 
+def per_prompt(row: dict, column: str) -> np.ndarray:
+    """The per-prompt values behind `column` of `row` (`passkey_digits` → each prompt's share of digits right,
+    `bpb` → each text row's bits per byte)."""
+    if column == "bpb":
+        return np.asarray(row["per_prompt"]["bpb"])
+    task, _, measure = column.partition("_")
+    return np.asarray(row["per_prompt"][task][measure])
+
+
+def paired(row: dict, base: dict, column: str) -> dict:
+    """`row − base` in `column`, prompt by prompt on the prompts (or text rows) both were measured on: the mean
+    difference and its bootstrap interval over prompts (`infer.stats.mean_interval`, as `Interval.as_dict`)."""
+    a, b = per_prompt(row, column), per_prompt(base, column)
+    if a.shape != b.shape:
+        raise ValueError(f"paired: {row['policy']} has {a.shape[0]} prompts in {column}, {base['policy']} "
+                         f"{b.shape[0]}; compare rows measured on the same prompts")
+    return stats.mean_interval(a - b).as_dict(3)
+
+
 def format_table(rows: list[dict], columns=COLUMNS) -> str:
     """The table as text, one line per (budget, policy); a column with an interval shows `value [lo, hi]`, and a
     last line states each such column's n (prompts, or rows of text for `bpb`) and level."""
@@ -239,7 +301,7 @@ def format_table(rows: list[dict], columns=COLUMNS) -> str:
 
     def cell(r, c):
         iv = interval_of(r, c)
-        return f"{r[c]:.3f}" if iv is None else stats.interval_text(iv, ".3f")
+        return f"{r.get(c, np.nan):.3f}" if iv is None else stats.interval_text(iv, ".3f")
 
     widths = {c: max(len(c), *(len(cell(r, c)) for r in rows)) + 2 for c in columns}
     lines = [f"{'budget':>6} {'policy':<{name}}" + "".join(f"{c:>{widths[c]}}" for c in columns)]

@@ -26,6 +26,8 @@ import subprocess
 from typing import Callable, TypeVar
 
 import filelock
+import jax
+import numpy as np
 
 from experiments import results
 
@@ -37,6 +39,17 @@ def key(recipe: dict) -> str:
     canonical JSON."""
     blob = json.dumps(recipe, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def tree_digest(tree) -> str:
+    """The first 16 hex digits of the SHA-256 of a pytree's leaves (each one's dtype, shape and bytes, in tree
+    order): a recipe field that names the checkpoint a score was measured on, down to the last bit."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        leaf = np.ascontiguousarray(leaf)
+        h.update(f"{leaf.dtype}{leaf.shape}".encode())
+        h.update(leaf.tobytes())
+    return h.hexdigest()[:16]
 
 
 def load(path: str | pathlib.Path) -> dict:

@@ -23,10 +23,10 @@ after the prompt read (the one-shot policies compress the cache at `start`). Eve
 Each policy is a pure function of a `View` (one layer's queries, every Global entry, the window's share of
 the softmax) to a read mask; `Policy.read` turns it into the entry ids the layer reads, a block of queries at a
 time, so that no whole layer's `[B, S, H, N]` mask is built. Attention scores are the SPEC §3
-sink softmax. The policies that rank entries by them (H2O, SnapKV, PyramidKV, Quest: `PerHead`) pool the scores
-over heads into one mask `[B, S, N]` that the heads share, as CSA2's top-k is (the default; the oracle and
-StreamingLLM always do), or, with `per_head=True`, choose for each head on its own as their papers do: a mask
-`[B, S, H, N]`, each head attending over its own set (`csa2.attention.read_attention`), the budget per head.
+sink softmax. The policies that rank entries by them (H2O, SnapKV, PyramidKV, Quest: `PerHead`) choose for each head
+on its own, as their papers do (the default): a mask `[B, S, H, N]`, each head attending over its own set
+(`csa2.attention.read_attention`), the budget per head; with `per_head=False` they pool the scores over heads into
+one mask `[B, S, N]` that the heads share, as CSA2's top-k is (the oracle and StreamingLLM always do).
 """
 
 from __future__ import annotations
@@ -398,10 +398,10 @@ class StreamingLLM(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class PerHead(Policy):
-    """A policy that chooses by attention scores: once for all the heads from their pooled scores, as CSA2's top-k
-    is shared (the default), or for each head on its own as its paper does (`per_head=True`)."""
+    """A policy that chooses by attention scores: for each head on its own, as its paper does (the default), or
+    once for all the heads from their pooled scores, as CSA2's top-k is shared (`per_head=False`)."""
 
-    per_head: bool = dataclasses.field(default=False, kw_only=True)
+    per_head: bool = dataclasses.field(default=True, kw_only=True)
 
     def heads(self, cfg):
         return cfg.num_attention_heads if self.per_head else 1

@@ -22,9 +22,10 @@ START = 12
 # Every visible entry fits every policy's budget (PyramidKV's deepest layer reads index_topk / beta = 32) and
 # the candidate pool holds every entry: nothing is left out.
 COVERING = MINI.replace(index_topk=64, candidate_topk_blocks=16)
-POLICIES = [selection.Oracle(), selection.StreamingLLM(), selection.H2O(), selection.SnapKV(),
-            selection.PyramidKV(beta=2.0), selection.Quest(), selection.H2O(per_head=True),
-            selection.SnapKV(per_head=True), selection.Quest(per_head=True)]
+POLICIES = [selection.Oracle(), selection.StreamingLLM(), selection.H2O(per_head=False),
+            selection.SnapKV(per_head=False), selection.PyramidKV(beta=2.0, per_head=False),
+            selection.Quest(per_head=False), selection.H2O(per_head=True), selection.SnapKV(per_head=True),
+            selection.Quest(per_head=True)]
 IDS = [p.name + (" per head" if p.heads(MINI) > 1 else "") for p in POLICIES]
 
 

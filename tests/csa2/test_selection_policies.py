@@ -273,7 +273,7 @@ def test_h2o_hand_case_keeps_heavy_and_evicts_for_ever():
                    {0, 4, 7, 8},  # e7 left the newest with .8125 < e4 1.4375; e6 evicted
                    {0, 7, 8, 9})  # e7 (1.5625) beat e4 (1.5): e4 evicted
     np.testing.assert_array_equal(got, want)
-    got = H2O(recent=0.5).mask(MINI.replace(index_topk=4), v, 0, jnp.array([3]))
+    got = H2O(recent=0.5, per_head=False).mask(MINI.replace(index_topk=4), v, 0, jnp.array([3]))
     np.testing.assert_array_equal(np.asarray(got)[0], want)
 
 
@@ -348,7 +348,8 @@ def test_snapkv_kernel_three_pooling_changes_the_choice():
     """`snapkv` kernel 3: max-pooled scores (e6 takes e7's 40, e0..e2 take e1's 30) choose {0, 1, 6}."""
     got = np.asarray(snapkv(_snap_view(), 4, 0.25, 2, 3, 4))[0, 4:]
     np.testing.assert_array_equal(got, mask_of(SNAP_N, {0, 1, 6, 7}, {0, 1, 6, 8}, {0, 1, 6, 9}, {0, 1, 6, 9}))
-    got = SnapKV(recent=0.25, window=2, kernel=3).mask(MINI.replace(index_topk=4), _snap_view(), 0, jnp.array([4]))
+    got = SnapKV(recent=0.25, window=2, kernel=3, per_head=False).mask(MINI.replace(index_topk=4), _snap_view(), 0,
+                                                                        jnp.array([4]))
     np.testing.assert_array_equal(np.asarray(got)[0, 4:], mask_of(SNAP_N, {0, 1, 6, 7}, {0, 1, 6, 8},
                                                                   {0, 1, 6, 9}, {0, 1, 6, 9}))
 
@@ -367,7 +368,7 @@ def test_snapkv_large_budget_reads_every_visible_entry():
 
 def test_pyramidkv_mask_is_snapkv_at_the_layer_budget():
     """`PyramidKV.mask` at a traced layer is `snapkv` at that layer's budget (SWA layer: reads nothing)."""
-    policy = PyramidKV(recent=0.25, window=2, kernel=1, beta=4.0)
+    policy = PyramidKV(recent=0.25, window=2, kernel=1, beta=4.0, per_head=False)
     v = _snap_view()
     budgets = policy.budgets(MINI)
     np.testing.assert_array_equal(budgets, [0, 28, 24, 20, 16, 12, 8, 4])
@@ -394,7 +395,7 @@ def test_per_row_start_matches_each_row_alone():
     got = np.asarray(snapkv(both, 4, 0.25, 2, 3, jnp.array(starts)))
     for i, v in enumerate(views):
         np.testing.assert_array_equal(got[i], np.asarray(snapkv(v, 4, 0.25, 2, 3, starts[i]))[0])
-    got = np.asarray(H2O(recent=0.5).mask(MINI.replace(index_topk=4), both, 0, jnp.array(starts)))
+    got = np.asarray(H2O(recent=0.5, per_head=False).mask(MINI.replace(index_topk=4), both, 0, jnp.array(starts)))
     np.testing.assert_array_equal(got, np.asarray(h2o(both, 4, 0.5, jnp.array(starts))))
 
 
@@ -420,7 +421,7 @@ def test_quest_hand_case_pages_by_bound():
     np.testing.assert_array_equal(np.asarray(quest(v, 12, 4))[0], mask_of(n, range(4, 14), [*range(0, 8),
                                                                                               *range(12, 16)]))
     np.testing.assert_array_equal(np.asarray(quest(v, 4, 4))[0], mask_of(n, range(12, 14), range(12, 16)))
-    got = Quest(page=4).mask(MINI.replace(index_topk=8), v, 0, jnp.array([0]))
+    got = Quest(page=4, per_head=False).mask(MINI.replace(index_topk=8), v, 0, jnp.array([0]))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(quest(v, 8, 4)))
 
 
@@ -596,17 +597,18 @@ def test_per_head_selection_is_each_heads_own_choice(name, choose):
 
 
 def test_the_policies_that_rank_by_attention_choose_per_head_when_asked():
-    """H2O, SnapKV, PyramidKV and Quest read one set per head with `per_head=True` (their papers), one set for the
-    layer otherwise, as the oracle and StreamingLLM always do; a policy's mask has the shape `heads` says."""
+    """H2O, SnapKV, PyramidKV and Quest read one set per head by default (their papers), one set for the layer with
+    `per_head=False`, as the oracle and StreamingLLM always do; a policy's mask has the shape `heads` says."""
     heads = MINI.num_attention_heads
-    per_head = (H2O(per_head=True), SnapKV(per_head=True), PyramidKV(per_head=True), Quest(per_head=True))
-    assert [p.heads(MINI) for p in per_head] == [heads] * 4
-    assert [p.heads(MINI) for p in (H2O(), SnapKV(), PyramidKV(), Quest(), Oracle(), StreamingLLM())] == [1] * 6
-    assert H2O() != H2O(per_head=True)
+    assert [p.heads(MINI) for p in (H2O(), SnapKV(), PyramidKV(), Quest())] == [heads] * 4
+    pooled = (H2O(per_head=False), SnapKV(per_head=False), PyramidKV(per_head=False), Quest(per_head=False))
+    assert [p.heads(MINI) for p in (*pooled, Oracle(), StreamingLLM())] == [1] * 6
+    assert H2O() == H2O(per_head=True) != H2O(per_head=False)
     v = make_view(np.random.default_rng(3).normal(size=(6, heads, 12)), np.arange(6) + 6)
     cfg = MINI.replace(index_topk=4)
     for p in (H2O(per_head=True), SnapKV(window=2, per_head=True), PyramidKV(window=2, per_head=True),
-              Quest(page=4, per_head=True), H2O(), SnapKV(window=2), Quest(page=4), Oracle(), StreamingLLM()):
+              Quest(page=4, per_head=True), H2O(per_head=False), SnapKV(window=2, per_head=False),
+              Quest(page=4, per_head=False), Oracle(), StreamingLLM()):
         mask = p.mask(cfg, v, jnp.int32(1), jnp.array([3]))
         assert mask.shape == ((1, 6, heads, 12) if p.heads(cfg) > 1 else (1, 6, 12)), p
 

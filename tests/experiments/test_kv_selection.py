@@ -120,6 +120,59 @@ def test_budget_use_per_head_reads_the_budget_per_head_and_keeps_the_union():
     np.testing.assert_allclose(kv.needle_reads(MINI, rec, [(20, 22)], 36, 2), [1.0])
 
 
+def test_the_baselines_choose_per_head_as_published_and_pooled_on_request():
+    """`policies()` gives H2O, SnapKV, PyramidKV and Quest one read set per head (their papers); `pooled()` the same
+    four, settings and all, with one set their heads share."""
+    found, pooled = kv.policies(), kv.pooled()
+    assert [found[n].heads(MINI) for n in kv.POOLED] == [MINI.num_attention_heads] * 4
+    assert list(pooled) == [f"{n} pooled" for n in kv.POOLED]
+    for name in kv.POOLED:
+        assert pooled[f"{name} pooled"].heads(MINI) == 1
+        assert pooled[f"{name} pooled"] == type(found[name])(**{**vars(found[name]), "per_head": False})
+
+
+def test_paired_is_the_mean_difference_over_the_same_prompts():
+    """`paired`: `row − base` prompt by prompt; a constant gap has a zero-width interval, unlike the two rows'
+    own intervals; rows measured on other prompts are refused."""
+    rng = np.random.default_rng(0)
+    base_digits = rng.random(40)
+    base = {"policy": "csa2", "per_prompt": {"passkey": {"digits": base_digits.tolist()}, "bpb": [2.0, 3.0, 4.0]}}
+    row = {"policy": "snapkv", "per_prompt": {"passkey": {"digits": (base_digits + 0.1).tolist()},
+                                              "bpb": [2.5, 3.0, 4.5]}}
+    got = kv.paired(row, base, "passkey_digits")
+    assert (got["value"], got["lo"], got["hi"], got["n"]) == (0.1, 0.1, 0.1, 40)
+    assert stats.mean_interval(base_digits).hi - stats.mean_interval(base_digits).lo > 0.1
+    got = kv.paired(row, base, "bpb")
+    assert got["n"] == 3 and got["value"] == pytest.approx(1 / 3, abs=1e-3) and got["lo"] >= 0
+    short = {"policy": "h2o", "per_prompt": {"passkey": {"digits": [0.0] * 39}}}
+    with pytest.raises(ValueError, match="same prompts"):
+        kv.paired(short, base, "passkey_digits")
+
+
+def test_evaluate_reads_each_row_the_ledger_holds_and_measures_only_what_changed(tmp_path, monkeypatch):
+    """With a ledger, a second `evaluate` measures nothing and returns the same rows; a policy's other settings,
+    another budget or other text miss and are measured; without a ledger every row is measured."""
+    measured = []
+
+    def fake_row(cfg, params, name, policy, depths, passkeys, needles, text, length):
+        measured.append((cfg.index_topk, name))
+        return {"budget": cfg.index_topk, "policy": name, "bpb": float(cfg.index_topk + len(name))}
+
+    monkeypatch.setattr(kv, "measure_row", fake_row)
+    path, params, text = tmp_path / "rows.json", {"w": np.ones(3, np.float32)}, np.zeros((2, 133), np.int32)
+    chosen = {"csa2": None, "h2o": selection.H2O()}
+    args = dict(length=128, depths=(0.2, 0.8), samples=1, text=text, ledger=path)
+    first = kv.evaluate(MINI, params, (8, 16), chosen=chosen, **args)
+    assert measured == [(8, "csa2"), (8, "h2o"), (16, "csa2"), (16, "h2o")]
+    assert kv.evaluate(MINI, params, (8, 16), chosen=chosen, **args) == first and len(measured) == 4
+    kv.evaluate(MINI, params, (8, 32), chosen={**chosen, "h2o": selection.H2O(recent=0.25)}, **args)
+    assert measured[4:] == [(8, "h2o"), (32, "csa2"), (32, "h2o")]
+    kv.evaluate(MINI, params, (8,), chosen=chosen, **{**args, "text": text + 1})
+    kv.evaluate(MINI, {"w": np.zeros(3, np.float32)}, (8,), chosen={"csa2": None}, **args)
+    kv.evaluate(MINI, params, (8,), chosen={"csa2": None}, **{**args, "ledger": None})
+    assert measured[7:] == [(8, "csa2"), (8, "h2o"), (8, "csa2"), (8, "csa2")]
+
+
 def test_format_table_has_a_line_per_row_and_states_each_intervals_n():
     rows = [{"budget": 16, "policy": name, **{c: 0.5 for c in kv.COLUMNS}} for name in kv.NAMES]
     text = kv.format_table(rows).splitlines()

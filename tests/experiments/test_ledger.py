@@ -69,3 +69,15 @@ def test_processes_recording_at_once_keep_every_score(tmp_path):
     for t in threads:
         t.join()
     assert all(ledger.lookup(path, r, f"part {j}") == j for r in recipes for j in range(5))
+
+
+def test_the_tree_digest_names_every_bit_of_every_leaf():
+    """`tree_digest` changes with one flipped bit, a dtype, a shape or the leaves' order, and with nothing else."""
+    tree = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": [np.ones(2, np.int32)]}
+    same = {"b": [np.ones(2, np.int32)], "a": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    assert ledger.tree_digest(tree) == ledger.tree_digest(same)
+    flipped = tree["a"].copy()
+    flipped.view(np.uint32)[1, 2] ^= 1  # the last bit of one float
+    for other in ({**tree, "a": flipped}, {**tree, "a": tree["a"].astype(np.float64)},
+                  {**tree, "a": tree["a"].reshape(3, 2)}, {"a": tree["b"][0], "b": [tree["a"]]}):
+        assert ledger.tree_digest(other) != ledger.tree_digest(tree)
