@@ -285,12 +285,13 @@ def per_prompt(row: dict, column: str) -> np.ndarray:
 
 def paired(row: dict, base: dict, column: str) -> dict:
     """`row − base` in `column`, prompt by prompt on the prompts (or text rows) both were measured on: the mean
-    difference and its bootstrap interval over prompts (`infer.stats.mean_interval`, as `Interval.as_dict`)."""
+    difference and its bootstrap interval over prompts (`infer.stats.mean_interval`, as `Interval.as_dict`, 4
+    decimals: a gap in bits per byte is small)."""
     a, b = per_prompt(row, column), per_prompt(base, column)
     if a.shape != b.shape:
         raise ValueError(f"paired: {row['policy']} has {a.shape[0]} prompts in {column}, {base['policy']} "
                          f"{b.shape[0]}; compare rows measured on the same prompts")
-    return stats.mean_interval(a - b).as_dict(3)
+    return stats.mean_interval(a - b).as_dict(4)
 
 
 def format_table(rows: list[dict], columns=COLUMNS) -> str:
