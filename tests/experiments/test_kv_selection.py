@@ -8,7 +8,7 @@ import pytest
 
 from csa2.layout import layer_plan
 from csa2.presets import preset
-from experiments import kv_selection as kv, results
+from experiments import kv_selection as kv, ledger, results
 from infer import stats
 from research import selection
 from research.probe import Probe
@@ -212,6 +212,38 @@ def test_the_committed_results_hold_the_policies_definitions():
             assert (r["kept"], r["lost"]) == (1.0, 0.0), r["policy"]
         if r["policy"] != "pyramidkv":
             assert r["reads"] <= r["budget"] + 1e-9, r["policy"]
+        heads = got["model"]["heads"] if r["policy"] in kv.POOLED else 1  # the baselines choose per head
+        assert r["reads"] - 1e-9 <= r["distinct"] <= heads * r["reads"] + 1e-9, r["policy"]
+
+
+def test_the_committed_comparisons_are_paired_over_the_tables_prompts():
+    """Each policy against csa2 at every budget, and each per-head baseline against itself pooled at the trained
+    budget, on the table's prompts (text rows for bits per byte); the pooled rows read one set per layer."""
+    got = results.load("kv_selection", fast=False)
+    sizes, columns = got["sizes"], ("passkey_digits", "needles_digits", "bpb")
+    n = {c: sizes["text_rows"] if c == "bpb" else sizes["prompts"] for c in columns}
+    assert {(a["budget"], a["policy"], a["column"]) for a in got["against_csa2"]} == \
+        {(b, p, c) for b in sizes["budgets"] for p in kv.NAMES[1:] for c in columns}
+    assert {(a["policy"], a["column"]) for a in got["per_head_vs_pooled"]} == {(p, c) for p in kv.POOLED
+                                                                               for c in columns}
+    for a in got["against_csa2"] + got["per_head_vs_pooled"]:
+        assert a["gap"]["n"] == n[a["column"]] and a["gap"]["lo"] <= a["gap"]["value"] <= a["gap"]["hi"], a
+    assert [r["policy"] for r in got["pooled_rows"]] == [f"{p} pooled" for p in kv.POOLED]
+    for r in got["pooled_rows"]:
+        assert r["budget"] == got["model"]["index_topk"]
+        assert abs(r["distinct"] - r["reads"]) < 1e-9 and kv.interval_of(r, "passkey_digits")["n"] == sizes["prompts"]
+
+
+def test_the_committed_results_are_the_ledgers_rows():
+    """Every row of notebooks/kv_selection.json is a row the committed ledger holds, as it was measured (less its
+    per-prompt values), and the table's time is the sum of its rows' times."""
+    got = results.load("kv_selection", fast=False)
+    held = [entry["scores"]["row"]["value"] for entry in ledger.load(results.ROOT / "notebooks"
+                                                                      / "kv_selection.runs.json").values()]
+    for key, total in (("rows", "seconds"), ("pooled_rows", "pooled_seconds")):
+        for r in got[key]:
+            assert r in [{k: v for k, v in h.items() if k != "per_prompt"} for h in held], (r["budget"], r["policy"])
+        assert got[total] == pytest.approx(sum(r["seconds"] for r in got[key]))
 
 
 def test_the_notebooks_prose_quotes_its_results():
@@ -221,10 +253,20 @@ def test_the_notebooks_prose_quotes_its_results():
     prose = " ".join(nbformat.read(results.ROOT / "notebooks" / "kv_selection.ipynb",
                                    as_version=4).cells[-1].source.split())
     at = {r["policy"]: r for r in got["rows"] if r["budget"] == 128}
-    quoted = [(at["csa2"], "recall"), (at["oracle"], "recall"), (at["snapkv"], "recall"),
-              (at["csa2"], "passkey_digits"), (at["snapkv"], "passkey_digits"), (at["oracle"], "passkey_digits"),
-              (at["csa2"], "needles_digits"), (at["snapkv"], "needles_digits"), (at["csa2"], "passkey_needle"),
-              (at["oracle"], "passkey_needle"), (at["snapkv"], "passkey_needle")]
+    quoted = [(at["csa2"], "recall"), (at["oracle"], "recall"), (at["snapkv"], "recall"), (at["quest"], "recall"),
+              (at["csa2"], "passkey_needle"), (at["oracle"], "passkey_needle"), (at["snapkv"], "passkey_needle")]
     for row, column in quoted:
         assert stats.interval_text(kv.interval_of(row, column), ".3f") in prose, (row["policy"], column)
+    gaps = {(a["budget"], a["policy"], a["column"]): a["gap"] for a in got["against_csa2"]}
+    for key in [(128, p, "passkey_digits") for p in ("snapkv", "pyramidkv", "quest", "oracle", "h2o")] + \
+               [(64, "snapkv", "passkey_digits"), (256, "snapkv", "passkey_digits")] + \
+               [(128, p, "needles_digits") for p in ("snapkv", "quest", "h2o")] + \
+               [(128, p, "bpb") for p in ("oracle", "snapkv", "quest", "streamingllm")]:
+        assert stats.interval_text(gaps[key], "+.3f") in prose, key
+    for key in ((128, "h2o", "passkey_digits"), (128, "snapkv", "needles_digits"), (128, "streamingllm", "bpb")):
+        assert gaps[key]["lo"] <= 0 <= gaps[key]["hi"], key  # the prose says these hold 0
+    pooled = {(a["policy"], a["column"]): a["gap"] for a in got["per_head_vs_pooled"]}
+    for key in (("h2o", "passkey_digits"), ("pyramidkv", "needles_digits"), ("snapkv", "passkey_digits")):
+        assert stats.interval_text(pooled[key], "+.3f") in prose, key
     assert f"{got['seconds']:,.0f} s for the table" in prose
+    assert f"{got['pooled_seconds']:,.0f} s for the pooled" in prose
