@@ -216,12 +216,9 @@ def recent_count(budget: Array | int, share: float) -> Array | int:
 # The policies: pure functions View → read mask [B, S, N]
 
 def oracle(v: View, budget: int) -> Array:
-    """The `budget` entries of largest true attention (head-mean dense probability) at every query; ties go to the
-    lower id, as in `top` (one `top_k` rather than `top`'s two sorts of every entry: a 16K-token layer sorts
-    16K × 16K scores otherwise)."""
-    mass, dense = v.mass(), v.dense()
-    _, ids = jax.lax.top_k(jnp.where(dense, mass, -1.0), min(budget, v.entries))  # visible mass is ≥ 0
-    return id_mask(ids, v.entries) & dense
+    """The `budget` entries of largest true attention (head-mean dense probability) at every query, ties to the
+    lower id (`top`: one partial `top_k` for the int budget)."""
+    return top(v.mass(), v.dense(), budget)
 
 
 def streaming_llm(v: View, budget: Array | int, sinks: int) -> Array:
