@@ -227,7 +227,7 @@ def streaming_llm(v: View, budget: Array | int, sinks: int) -> Array:
     return fill_newest(dense & (jnp.arange(v.entries) < sinks), dense, budget)
 
 
-def h2o(v: View, budget: int, recent: float, start: Array | int, per_head: bool = False, emit=None) -> Array:
+def h2o(v: View, budget: int, recent: float, start: Array | int, per_head: bool, emit=None) -> Array:
     """H2O: heavy hitters by cumulative attention plus the newest `⌊recent · budget⌋` entries.
 
     Before `start` (the prefill; an int or one per row [B]) every query attends densely and its
@@ -266,7 +266,7 @@ def h2o(v: View, budget: int, recent: float, start: Array | int, per_head: bool 
 
 
 def snapkv(v: View, budget: Array | int, recent: float, window: int, kernel: int, start: Array | int,
-           per_head: bool = False) -> Array:
+           per_head: bool) -> Array:
     """SnapKV: at `start`, the last `window` prompt queries' attention (summed over those queries, max-pooled over
     `kernel` neighbouring entries) chooses `budget − ⌊recent · budget⌋` prompt entries, once; every later query
     reads them and the newest entries up to `budget`. Each head chooses by its own attention (`per_head`,
@@ -306,7 +306,7 @@ def snapkv_reads(v: View, chosen: Array, budget: Array | int, per_head: bool) ->
     return _heads_out(fill_newest(chosen[:, None] & dense, dense, budget), per_head)
 
 
-def quest(v: View, budget: int, page: int, per_head: bool = False) -> Array:
+def quest(v: View, budget: int, page: int, per_head: bool) -> Array:
     """Quest: pages of `page` entries with per-channel key min and max; a query bounds each page's logit by
     `Σ_i max(q_i · max_i, q_i · min_i)`, reads the `budget // page` pages of largest bound, the newest (partial)
     page always among them; nothing is evicted. Each head reads by its own bound (`per_head`, `[B, S, H, N]`, as

@@ -264,7 +264,7 @@ def test_h2o_hand_case_keeps_heavy_and_evicts_for_ever():
     """`h2o`: heavy prompt entry 0 stays throughout; entries 1, 2, 5, 6, 4 once dropped are never read again."""
     w = _h2o_weights()
     v = make_view(np.log(w)[:, None, :], H2O_VISIBLE)
-    got = np.asarray(h2o(v, 4, 0.5, 3))[0]
+    got = np.asarray(h2o(v, 4, 0.5, 3, per_head=False))[0]
     want = mask_of(H2O_N,
                    range(5), range(5), range(5),  # prompt: dense
                    {0, 2, 4, 5},  # heavy {0,2} (e1, e3 light; e4 newest at the prompt's end) + newest {4,5}
@@ -284,7 +284,7 @@ def test_h2o_rest_in_denominator_weighs_a_query_less():
     rest[3] = np.log(48.0)  # query 3 reads w/64 instead of w/16: e4 ends at .5625 < e2 .765625
     plain = make_view(np.log(w)[:, None, :], H2O_VISIBLE)
     damped = make_view(np.log(w)[:, None, :], H2O_VISIBLE, rest=rest)
-    got = np.asarray(h2o(stack_views(plain, damped), 4, 0.5, 3))
+    got = np.asarray(h2o(stack_views(plain, damped), 4, 0.5, 3, per_head=False))
     np.testing.assert_array_equal(got[:, 3], mask_of(H2O_N, {0, 2, 4, 5}, {0, 2, 4, 5}))
     np.testing.assert_array_equal(got[:, 4], mask_of(H2O_N, {0, 4, 5, 6}, {0, 2, 5, 6}))
 
@@ -292,8 +292,8 @@ def test_h2o_rest_in_denominator_weighs_a_query_less():
 def test_h2o_start_at_end_and_recent_one():
     """`h2o` with start past every query reads densely; recent = 1 reads only the newest (StreamingLLM, no sinks)."""
     v = make_view(np.log(_h2o_weights())[:, None, :], H2O_VISIBLE)
-    np.testing.assert_array_equal(np.asarray(h2o(v, 4, 0.5, 8)), np.asarray(v.dense()))
-    np.testing.assert_array_equal(np.asarray(h2o(v, 4, 1.0, 0)), np.asarray(streaming_llm(v, 4, 0)))
+    np.testing.assert_array_equal(np.asarray(h2o(v, 4, 0.5, 8, per_head=False)), np.asarray(v.dense()))
+    np.testing.assert_array_equal(np.asarray(h2o(v, 4, 1.0, 0, per_head=False)), np.asarray(streaming_llm(v, 4, 0)))
 
 
 def test_h2o_budget_and_eviction_properties():
@@ -306,7 +306,7 @@ def test_h2o_budget_and_eviction_properties():
     visible = np.minimum(n, (positions + 2) // 2 + 3)  # grows by one every other query; ≥ budget + 1 from start
     views = [make_view(rng.normal(size=(s, h, n)) * 3, visible, rest=rng.normal(size=(s, h)), positions=positions)
              for _ in range(3)]
-    reads = np.asarray(h2o(stack_views(*views), budget, recent, start))
+    reads = np.asarray(h2o(stack_views(*views), budget, recent, start, per_head=False))
     for r in reads:
         dense = np.arange(n) < visible[:, None]
         assert not (r & ~dense).any()
@@ -339,14 +339,14 @@ def _snap_view():
 
 def test_snapkv_kernel_one_chooses_top_scores_of_older_entries():
     """`snapkv` kernel 1: the 3 window-scored entries of largest mass among all but the newest, then newest fill."""
-    got = np.asarray(snapkv(_snap_view(), 4, 0.25, 2, 1, 4))[0, 4:]
+    got = np.asarray(snapkv(_snap_view(), 4, 0.25, 2, 1, 4, per_head=False))[0, 4:]
     # entry 7 (40, the largest) is the newest at the prompt's end: not a candidate; chosen {1, 4, 5}
     np.testing.assert_array_equal(got, mask_of(SNAP_N, {1, 4, 5, 7}, {1, 4, 5, 8}, {1, 4, 5, 9}, {1, 4, 5, 9}))
 
 
 def test_snapkv_kernel_three_pooling_changes_the_choice():
     """`snapkv` kernel 3: max-pooled scores (e6 takes e7's 40, e0..e2 take e1's 30) choose {0, 1, 6}."""
-    got = np.asarray(snapkv(_snap_view(), 4, 0.25, 2, 3, 4))[0, 4:]
+    got = np.asarray(snapkv(_snap_view(), 4, 0.25, 2, 3, 4, per_head=False))[0, 4:]
     np.testing.assert_array_equal(got, mask_of(SNAP_N, {0, 1, 6, 7}, {0, 1, 6, 8}, {0, 1, 6, 9}, {0, 1, 6, 9}))
     got = SnapKV(recent=0.25, window=2, kernel=3, per_head=False).mask(MINI.replace(index_topk=4), _snap_view(), 0,
                                                                         jnp.array([4]))
@@ -356,13 +356,13 @@ def test_snapkv_kernel_three_pooling_changes_the_choice():
 
 def test_snapkv_window_selects_the_observation_queries():
     """`snapkv` window 4 observes positions 0..3 too: their heavy e3 and e6 are chosen with e1."""
-    got = np.asarray(snapkv(_snap_view(), 4, 0.25, 4, 1, 4))[0, 4:]
+    got = np.asarray(snapkv(_snap_view(), 4, 0.25, 4, 1, 4, per_head=False))[0, 4:]
     np.testing.assert_array_equal(got, mask_of(SNAP_N, {1, 3, 6, 7}, {1, 3, 6, 8}, {1, 3, 6, 9}, {1, 3, 6, 9}))
 
 
 def test_snapkv_large_budget_reads_every_visible_entry():
     """`snapkv` with a budget ≥ visible reads every visible entry from start on."""
-    got = np.asarray(snapkv(_snap_view(), 12, 0.25, 2, 3, 4))
+    got = np.asarray(snapkv(_snap_view(), 12, 0.25, 2, 3, 4, per_head=False))
     np.testing.assert_array_equal(got[0, 4:], np.asarray(_snap_view().dense())[0, 4:])
 
 
@@ -375,7 +375,7 @@ def test_pyramidkv_mask_is_snapkv_at_the_layer_budget():
     masked = jax.jit(lambda layer: policy.mask(MINI, v, layer, jnp.array([4])))
     for layer in range(MINI.num_hidden_layers):
         got = np.asarray(masked(jnp.int32(layer)))
-        np.testing.assert_array_equal(got, np.asarray(snapkv(v, int(budgets[layer]), 0.25, 2, 1, 4)))
+        np.testing.assert_array_equal(got, np.asarray(snapkv(v, int(budgets[layer]), 0.25, 2, 1, 4, per_head=False)))
     np.testing.assert_array_equal(np.asarray(masked(jnp.int32(0))), np.zeros((1, 8, SNAP_N), bool))
     np.testing.assert_array_equal(np.asarray(masked(jnp.int32(7)))[0, 4:],
                                   mask_of(SNAP_N, {1, 4, 5, 7}, {1, 4, 5, 8}, {1, 4, 5, 9}, {1, 4, 5, 9}))
@@ -389,14 +389,14 @@ def test_per_row_start_matches_each_row_alone():
     views = [make_view(rng.normal(size=(s, 2, n)) * 3, visible, rest=rng.normal(size=(s, 2))) for _ in range(2)]
     both = stack_views(*views)
     starts = [3, 7]
-    got = np.asarray(h2o(both, 4, 0.5, jnp.array(starts)))
+    got = np.asarray(h2o(both, 4, 0.5, jnp.array(starts), per_head=False))
     for i, v in enumerate(views):
-        np.testing.assert_array_equal(got[i], np.asarray(h2o(v, 4, 0.5, starts[i]))[0])
-    got = np.asarray(snapkv(both, 4, 0.25, 2, 3, jnp.array(starts)))
+        np.testing.assert_array_equal(got[i], np.asarray(h2o(v, 4, 0.5, starts[i], per_head=False))[0])
+    got = np.asarray(snapkv(both, 4, 0.25, 2, 3, jnp.array(starts), per_head=False))
     for i, v in enumerate(views):
-        np.testing.assert_array_equal(got[i], np.asarray(snapkv(v, 4, 0.25, 2, 3, starts[i]))[0])
+        np.testing.assert_array_equal(got[i], np.asarray(snapkv(v, 4, 0.25, 2, 3, starts[i], per_head=False))[0])
     got = np.asarray(H2O(recent=0.5, per_head=False).mask(MINI.replace(index_topk=4), both, 0, jnp.array(starts)))
-    np.testing.assert_array_equal(got, np.asarray(h2o(both, 4, 0.5, jnp.array(starts))))
+    np.testing.assert_array_equal(got, np.asarray(h2o(both, 4, 0.5, jnp.array(starts), per_head=False)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,13 +416,14 @@ def test_quest_hand_case_pages_by_bound():
     h1[1, 7] = 2.5
     h1[1, 8] = 1.0
     v = make_view(np.stack([h0, h1], axis=1), [14, 16])
-    np.testing.assert_array_equal(np.asarray(quest(v, 8, 4))[0], mask_of(n, range(8, 14), [*range(4, 8),
-                                                                                             *range(12, 16)]))
-    np.testing.assert_array_equal(np.asarray(quest(v, 12, 4))[0], mask_of(n, range(4, 14), [*range(0, 8),
-                                                                                              *range(12, 16)]))
-    np.testing.assert_array_equal(np.asarray(quest(v, 4, 4))[0], mask_of(n, range(12, 14), range(12, 16)))
+    np.testing.assert_array_equal(np.asarray(quest(v, 8, 4, per_head=False))[0],
+                                  mask_of(n, range(8, 14), [*range(4, 8), *range(12, 16)]))
+    np.testing.assert_array_equal(np.asarray(quest(v, 12, 4, per_head=False))[0],
+                                  mask_of(n, range(4, 14), [*range(0, 8), *range(12, 16)]))
+    np.testing.assert_array_equal(np.asarray(quest(v, 4, 4, per_head=False))[0],
+                                  mask_of(n, range(12, 14), range(12, 16)))
     got = Quest(page=4, per_head=False).mask(MINI.replace(index_topk=8), v, 0, jnp.array([0]))
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(quest(v, 8, 4)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(quest(v, 8, 4, per_head=False)))
 
 
 def test_quest_bound_dominates_true_logits_and_drives_the_choice():
@@ -443,7 +444,7 @@ def test_quest_bound_dominates_true_logits_and_drives_the_choice():
         true = np.einsum("bshd,bnd->bshn", qq[..., 0, :], keys.astype(np.float64)) / np.sqrt(d)
         true = true.reshape(b, s, h, pages, page).max(-1)
         assert (bound >= true - 1e-9).all()
-        got = np.asarray(quest(v, budget, page))
+        got = np.asarray(quest(v, budget, page, per_head=False))
         for i in range(b):
             for t in range(s):
                 newest_page = (visible[i, t] - 1) // page
@@ -465,7 +466,7 @@ def test_quest_evicts_nothing():
     lg[1, 0, 5] = 5.0  # query 1 (visible 20) at page 1
     lg[2, 0, 2] = 5.0  # query 2 (visible 24) at page 0 again
     v = make_view(lg, [16, 20, 24])
-    got = np.asarray(quest(v, 8, 4))[0]
+    got = np.asarray(quest(v, 8, 4, per_head=False))[0]
     np.testing.assert_array_equal(got, mask_of(n, [*range(0, 4), *range(12, 16)], [*range(4, 8), *range(16, 20)],
                                                [*range(0, 4), *range(20, 24)]))
     assert not Quest().evicts and not Oracle().evicts
