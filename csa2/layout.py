@@ -7,7 +7,10 @@
   `[Reindex + 3 Reuse]` in the decoder). Each `Group` is one body scanned over its iterations,
   and each body is a few `Run`s of identical layers, themselves scanned. Parameters are stacked the
   same way (`[iterations, layers of the run, ...]`), so the compiled program holds one copy of
-  each distinct layer body, whatever the depth.
+  each distinct layer body, whatever the depth. Engram does not split a group: its parameters live
+  apart (parameter layout 3) and a body applies the Engram layers it covers by index. In layout 2 each
+  Engram layer was a group of its own (`layout=2`, kept to read older checkpoints and to draw
+  parameters as before, `csa2.relayout`).
 """
 
 from __future__ import annotations
@@ -137,11 +140,16 @@ class Group:
         return self.first + iteration * self.period + offset
 
 
-def _structure(spec: LayerSpec) -> tuple:
-    """What one traced layer body depends on. Engram hashing constants are per layer, so an Engram
-    layer only matches itself."""
-    return (spec.role, spec.ratio, spec.is_encoder, spec.uses_candidates, spec.is_candidate_source,
-            spec.index if spec.has_engram else None)
+LAYOUT = 3  # the parameter layout `layer_groups` stacks by default (`csa2.checkpoints.native`)
+LAYOUTS = (2, LAYOUT)
+
+
+def _structure(spec: LayerSpec, layout: int) -> tuple:
+    """What one traced layer body depends on. Engram is not part of it in layout 3: its parameters live apart from
+    the layers' (their tables differ in rows from layer to layer), and a body applies the Engram layers it covers
+    by index (`csa2.stack`). In layout 2 an Engram layer held its own, so it only matched itself."""
+    body = (spec.role, spec.ratio, spec.is_encoder, spec.uses_candidates, spec.is_candidate_source)
+    return body if layout == LAYOUT else (*body, spec.index if spec.has_engram else None)
 
 
 def _cycles(plan: tuple[LayerSpec, ...]) -> list[list[LayerSpec]]:
@@ -155,39 +163,45 @@ def _cycles(plan: tuple[LayerSpec, ...]) -> list[list[LayerSpec]]:
     return cycles
 
 
-def _runs(cycle: list[LayerSpec]) -> tuple[Run, ...]:
+def _runs(cycle: list[LayerSpec], layout: int) -> tuple[Run, ...]:
     runs: list[Run] = []
     for offset, spec in enumerate(cycle):
-        if runs and _structure(runs[-1].spec) == _structure(spec):
+        if runs and _structure(runs[-1].spec, layout) == _structure(spec, layout):
             runs[-1] = dataclasses.replace(runs[-1], count=runs[-1].count + 1)
         else:
             runs.append(Run(offset, 1, spec))
     return tuple(runs)
 
 
-def _signature(group_runs: tuple[Run, ...]) -> tuple:
-    return tuple((r.offset, r.count, _structure(r.spec)) for r in group_runs)
+def _signature(group_runs: tuple[Run, ...], layout: int) -> tuple:
+    return tuple((r.offset, r.count, _structure(r.spec, layout)) for r in group_runs)
 
 
 @functools.lru_cache(maxsize=None)
-def layer_groups(cfg: ModelConfig) -> tuple[Group, ...]:
-    """The plan as groups: consecutive cycles with the same runs of the same structures merge into one group."""
+def layer_groups(cfg: ModelConfig, layout: int = LAYOUT) -> tuple[Group, ...]:
+    """The plan as groups: consecutive cycles with the same runs of the same structures merge into one group.
+    `layout`: the parameter layout whose stacking is wanted (module docstring)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: parameters are stacked in one of the layouts {LAYOUTS}")
     groups: list[Group] = []
     for cycle in _cycles(layer_plan(cfg)):
-        runs = _runs(cycle)
+        runs = _runs(cycle, layout)
         last = groups[-1] if groups else None
-        if last is not None and last.period == len(cycle) and _signature(last.runs) == _signature(runs):
+        if (last is not None and last.period == len(cycle)
+                and _signature(last.runs, layout) == _signature(runs, layout)):
             groups[-1] = dataclasses.replace(last, count=last.count + 1)
         else:
             groups.append(Group(cycle[0].index, 1, len(cycle), runs))
     return tuple(groups)
 
 
-def format_groups(groups: tuple[Group, ...]) -> str:
-    """One line per group: its layers, iterations and the runs of its body."""
+def format_groups(cfg: ModelConfig) -> str:
+    """One line per group of `layer_groups(cfg)`: its layers, iterations, the runs of its body and its Engram
+    layers."""
     lines = []
-    for g in groups:
-        body = ", ".join(f"{r.spec.role}{'+engram' if r.spec.has_engram else ''}"
-                         + (f" ×{r.count}" if r.count > 1 else "") for r in g.runs)
-        lines.append(f"  layers {g.first:>2}–{g.end - 1:<2}  {g.count} × [{body}]")
+    for g in layer_groups(cfg):
+        body = ", ".join(r.spec.role + (f" ×{r.count}" if r.count > 1 else "") for r in g.runs)
+        engram = [layer for layer in cfg.engram_layer_ids if g.first <= layer < g.end]
+        lines.append(f"  layers {g.first:>2}–{g.end - 1:<2}  {g.count} × [{body}]"
+                     + (f"  Engram at {', '.join(map(str, engram))}" if engram else ""))
     return "\n".join(lines)

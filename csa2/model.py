@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from csa2 import boundary, dspark, engram_vocab, remat as remat_lib
+from csa2 import boundary, dspark, engram_vocab, relayout, remat as remat_lib
 from csa2.boundary import entry_point
 from csa2.chunk import take_rows
 from csa2.config import ModelConfig
+from csa2.engram import Engram
 from csa2.hooks import OWN_TOPK, Instrument
-from csa2.layout import layer_groups
+from csa2.layout import LAYOUT, layer_groups
 from csa2.mesh import PARAMS, REPLICATED, ROWS
 from csa2.moe import bias_update
 from csa2.params import arrays, constant, initialize, normal, ones
@@ -44,17 +45,20 @@ DRAFTER = dspark.DRAFTER  # the subtree of the DSpark drafter's parameters (`csa
 
 
 class Model(nnx.Module):
-    """Every parameter of the model: embedding, the layer groups (stacked as `layout.layer_groups`), the
-    final norm, the LM head, the compressed Engram vocabulary when it is not the identity (`engram_vocab`,
-    `csa2.engram_vocab`) and, when `num_nextn_predict_layers > 0`, the DSpark drafter under `drafter`
-    (frozen-backbone training selects it alone). Calling it runs `forward` on its own parameters (for
-    `nnx.tabulate`)."""
+    """Every parameter of the model: embedding, the layer groups (stacked as `layout.layer_groups`), the Engram
+    layers' n-gram memories (`engram[k]` for the k-th of `engram_layer_ids`), the final norm, the LM head, the
+    compressed Engram vocabulary when it is not the identity (`engram_vocab`, `csa2.engram_vocab`) and, when
+    `num_nextn_predict_layers > 0`, the DSpark drafter under `drafter` (frozen-backbone training selects it alone).
+    `layout=2` builds the older parameter layout, whose Engram layers hold their memory (`csa2.relayout`). Calling
+    it runs `forward` on its own parameters (for `nnx.tabulate`)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layout: int = LAYOUT):
         d, v, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
         self.cfg = cfg
         self.embed = normal(rngs, (v, d), std, ("vocab", "embed"))
-        self.groups = nnx.List([stacked_layers(cfg, group, rngs) for group in layer_groups(cfg)])
+        self.groups = nnx.List([stacked_layers(cfg, group, rngs, layout) for group in layer_groups(cfg, layout)])
+        if cfg.engram_layer_ids and layout == LAYOUT:
+            self.engram = nnx.List([Engram(cfg, layer, rngs) for layer in cfg.engram_layer_ids])
         self.norm = ones((d,), ("embed",))
         self.head = normal(rngs, (d, v), std, ("embed", "vocab"), compute=True)
         if engram_vocab.has_table(cfg):
@@ -71,8 +75,9 @@ class Model(nnx.Module):
 def init_params(cfg: ModelConfig, key: Array) -> nnx.State:
     """All parameters, as the `nnx.State` of `Model(cfg)`: float32 `Param`s and `RouterBias` variables, and the int32
     `CompressedVocab` when the model has one, each drawn on the host by its declared initializer from `key` and its
-    path (`csa2.params.initialize`: no program is compiled; under a transform, a host callback)."""
-    return initialize(abstract_params(cfg), key)
+    path (`csa2.params.initialize`: no program is compiled; under a transform, a host callback). They are drawn in
+    parameter layout 2 and moved to layout 3 (`csa2.relayout`), so a key gives the values it gave before layout 3."""
+    return relayout.from_layout2(cfg, initialize(abstract_params(cfg, layout=2), key), abstract_params(cfg))
 
 
 def as_module(cfg: ModelConfig, params: nnx.State) -> Model:
@@ -81,9 +86,10 @@ def as_module(cfg: ModelConfig, params: nnx.State) -> Model:
     return nnx.merge(graphdef, params)
 
 
-def abstract_params(cfg: ModelConfig) -> nnx.State:
-    """`init_params` as shapes only (traced, nothing allocated or compiled): restore targets, memory plans."""
-    return nnx.state(nnx.eval_shape(lambda: Model(cfg, nnx.Rngs(0))))
+def abstract_params(cfg: ModelConfig, layout: int = LAYOUT) -> nnx.State:
+    """`init_params` as shapes only (traced, nothing allocated or compiled): restore targets, memory plans; `layout`
+    2 gives those of the older parameter layout (`Model`)."""
+    return nnx.state(nnx.eval_shape(lambda: Model(cfg, nnx.Rngs(0), layout)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def inspect_report(name: str, context: int, batch: int = 1, cache_format: str = 
         format_plan(layer_plan(cfg)),
         "",
         f"layer groups ({len(layer_groups(cfg))} scanned bodies; each body's runs of identical layers scanned in turn)",
-        format_groups(layer_groups(cfg)),
+        format_groups(cfg),
         "",
         f"memory ({cache_format} cache, batch {batch}, context {context:,} tokens; "
         "shapes from jax.eval_shape(init_state))",

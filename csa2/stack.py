@@ -5,7 +5,9 @@ A layer reads in SPEC order: Engram → attention-site mHC mixes → collapse �
 FFN-site mixes → collapse → MoE → expand. Layers are executed by `layout.layer_groups`: each group
 is one scanned body over its iterations, each run inside it one scanned body over its layers, with
 parameters stacked `[iterations, layers, ...]` and the layer index and KV slot of every layer fed in
-as scanned values. What flows from layer to layer (`Flow`) carries the whole request state, so the
+as scanned values. Engram memories are not stacked (`params["engram"]`): a body that covers Engram layers
+applies the one at its layer index, if any, by a `lax.switch`, so Engram does not split a group. What flows from
+layer to layer (`Flow`) carries the whole request state, so the
 Global KV stacks and the rings are updated in place: a layer's attention gets its view of the state
 (`LayerKV`: its ring, its group's source and compressor tail) and returns it with only the rows its chunk
 adds written, and the stack writes it back, the only writer of the `State`.
@@ -32,7 +34,7 @@ from csa2.context import Context
 from csa2.engram import Engram
 from csa2.hooks import OWN_TOPK, Instrument
 from csa2.indexer import Bus
-from csa2.layout import Group, LayerSpec, kv_address, layer_groups, layer_plan
+from csa2.layout import LAYOUT, Group, LayerSpec, kv_address, layer_groups, layer_plan
 from csa2.mesh import gather_fsdp
 from csa2.moe import MoE, moe
 from csa2.norm import rms_norm
@@ -41,17 +43,20 @@ from csa2.replay import DecoderTail, Extend, ReplayPlan, ReplayPolicy, plan as r
 from csa2.state import LayerKV, State
 
 Array = jax.Array
+Engrams = tuple[tuple[int, dict], ...]  # (layer, its Engram parameters) of the Engram layers a body may run
 
 
 # ---------------------------------------------------------------------------------------------
 # Parameters
 
 class Layer(nnx.Module):
-    """One layer's parameters: two mHC sites with their norms, attention, MoE, and Engram where configured."""
+    """One layer's parameters: two mHC sites with their norms, attention and MoE. An Engram layer's n-gram memory
+    lives apart, in the model's `engram` (its table's rows differ from layer to layer); parameter layout 2 held it
+    here (`engram=True`, `csa2.relayout`)."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs, engram: bool = False):
         d = cfg.hidden_size
-        if spec.has_engram:
+        if engram:
             self.engram = Engram(cfg, spec.index, rngs)
         self.attn_hc = mhc.HyperConnection(cfg, rngs)
         self.attn_norm = ones((d,), ("embed",))
@@ -61,11 +66,12 @@ class Layer(nnx.Module):
         self.moe = MoE(cfg, rngs)
 
 
-def stacked_layers(cfg: ModelConfig, group: Group, rngs: nnx.Rngs) -> nnx.List:
-    """One `Layer` per run of `group`, each stacked `[group.count, run.count, ...]` with split RNG streams."""
+def stacked_layers(cfg: ModelConfig, group: Group, rngs: nnx.Rngs, layout: int = LAYOUT) -> nnx.List:
+    """One `Layer` per run of `group`, each stacked `[group.count, run.count, ...]` with split RNG streams (in
+    parameter `layout` 2, with its Engram inside an Engram layer)."""
     runs = []
     for run in group.runs:
-        make = _maker(cfg, run.spec)
+        make = _maker(cfg, run.spec, layout == 2 and run.spec.has_engram)
         for count, axis in ((run.count, "layers"), (group.count, "groups")):
             make = nnx.split_rngs(splits=count)(
                 nnx.vmap(make, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis}))
@@ -73,16 +79,32 @@ def stacked_layers(cfg: ModelConfig, group: Group, rngs: nnx.Rngs) -> nnx.List:
     return nnx.List(runs)
 
 
-def _maker(cfg: ModelConfig, spec: LayerSpec):
-    return lambda rngs: Layer(cfg, spec, rngs)
+def _maker(cfg: ModelConfig, spec: LayerSpec, engram: bool):
+    return lambda rngs: Layer(cfg, spec, rngs, engram)
+
+
+def _axes(make) -> dict:
+    """The logical axes of every parameter of the module `make()` builds, as a pure dict."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # names only: place nothing
+        names = nnx.get_partition_spec(nnx.state(nnx.eval_shape(make)))
+    return jax.tree.map(tuple, nnx.to_pure_dict(names), is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 @functools.lru_cache(maxsize=None)
 def layer_axes(cfg: ModelConfig, spec: LayerSpec) -> dict:
     """The logical axes of every parameter of one (unstacked) layer, in the structure of `layer`'s `p`."""
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # names only: place nothing
-        names = nnx.get_partition_spec(nnx.state(nnx.eval_shape(lambda: Layer(cfg, spec, nnx.Rngs(0)))))
-    return jax.tree.map(tuple, nnx.to_pure_dict(names), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return _axes(lambda: Layer(cfg, spec, nnx.Rngs(0)))
+
+
+@functools.lru_cache(maxsize=None)
+def engram_axes(cfg: ModelConfig, layer: int) -> dict:
+    """The logical axes of Engram layer `layer`'s parameters."""
+    return _axes(lambda: Engram(cfg, layer, nnx.Rngs(0)))
+
+
+def engram_params(cfg: ModelConfig, params: dict, layers) -> Engrams:
+    """`(layer, parameters)` of the Engram layers among `layers`, in layer order."""
+    return tuple((layer, params["engram"][k]) for k, layer in enumerate(cfg.engram_layer_ids) if layer in layers)
 
 
 def locate(cfg: ModelConfig, layer: int) -> tuple[int, int, int, int]:
@@ -178,18 +200,16 @@ def put_layer_kv(cfg: ModelConfig, spec: LayerSpec, state: State, index: Array, 
 
 
 def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, index: Array, slot: Array | None,
-          enter: DecoderTail | None = None) -> tuple[Flow, Outputs]:
+          engrams: Engrams = (), enter: DecoderTail | None = None) -> tuple[Flow, Outputs]:
     """One layer (`index` and KV `slot` may be traced) on the rows of `flow`; returns the flow and
-    its `Outputs`. At the replay split (`enter`) a Full layer's compressor still sees every row and the rest
-    of the layer continues on the tail (`csa2.attention.attention`)."""
+    its `Outputs`. `engrams`: the Engram layers among those this body runs, with their parameters; the layer
+    applies the one at `index`, if any. At the replay split (`enter`) a Full layer's compressor still sees every
+    row and the rest of the layer continues on the tail (`csa2.attention.attention`)."""
     X, state = flow.X, flow.state
     p = gather_fsdp(p, lambda: layer_axes(cfg, spec))  # whole over the FSDP axis, if any (`csa2.mesh`)
-    if spec.has_engram:
+    if engrams:
         with jax.named_scope("engram"):
-            hashes = engram_lib.engram_hashes(cfg, spec.index, ctx.history)  # [B, S, columns]
-            if ctx.rows is not None:
-                hashes = take_rows(hashes, ctx.rows)
-            X = engram_lib.engram(cfg, p["engram"], X, hashes, ctx.chunk.valid(X.shape[1]))
+            X = _engram(cfg, engrams, X, ctx, index)
     features = None if flow.features is None else _collect(cfg, flow.features, X, index)
     with jax.named_scope("attn_mix"):
         x, pre, post, comb = site_input(cfg, p["attn_hc"], p["attn_norm"], X, flow.pre)
@@ -209,6 +229,22 @@ def layer(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, 
     with jax.named_scope("ffn_expand"):
         X = mhc.update(X, y, post, comb)
     return Flow(X=X, pre=ffn_pre, bus=bus, state=state, features=features), Outputs(load=load, tap=tap)
+
+
+def _engram(cfg: ModelConfig, engrams: Engrams, X: Array, ctx: Context, index: Array) -> Array:
+    """X with the n-gram memory of layer `index` added (SPEC §10b) if it is one of `engrams`' layers, else X: one
+    `lax.switch` on the (traced) index, a branch per Engram layer, since each hashes with its own constants."""
+    def at(layer: int, p: dict):
+        def add(X: Array) -> Array:
+            p_whole = gather_fsdp(p, lambda: engram_axes(cfg, layer))
+            hashes = engram_lib.engram_hashes(cfg, layer, ctx.history)  # [B, S, columns]
+            if ctx.rows is not None:
+                hashes = take_rows(hashes, ctx.rows)
+            return engram_lib.engram(cfg, p_whole, X, hashes, ctx.chunk.valid(X.shape[1]))
+        return add
+
+    branch = sum((index == layer).astype(jnp.int32) * k for k, (layer, _) in enumerate(engrams, 1))
+    return jax.lax.switch(branch, [lambda X: X] + [at(layer, p) for layer, p in engrams], X)
 
 
 def _collect(cfg: ModelConfig, features: Array, X: Array, index: Array) -> Array:
@@ -293,11 +329,12 @@ def _scan(fn, flow: Flow, xs, n: int):
 
 
 def _run(cfg: ModelConfig, spec: LayerSpec, p: dict, flow: Flow, ctx: Context, indices: Array,
-         slot: Array | None) -> tuple[Flow, Outputs]:
-    """Layers of one structure, params stacked `[n, ...]`, at layer `indices [n]`: one scanned body."""
+         slot: Array | None, engrams: Engrams) -> tuple[Flow, Outputs]:
+    """Layers of one structure, params stacked `[n, ...]`, at layer `indices [n]`: one scanned body, which
+    applies `engrams` at their layers."""
     def body(flow, xs):
         p_l, index = xs
-        return layer(cfg, spec, p_l, flow, ctx, index, slot)
+        return layer(cfg, spec, p_l, flow, ctx, index, slot, engrams)
     n = indices.shape[0]
     return _scan(remat_lib.wrap(body, ctx.remat, scanned=n > 1), flow, (p, indices), n)
 
@@ -309,12 +346,15 @@ def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Contex
     iterations = range(unit.i0, unit.i1)
     slots = _slots(cfg, group, iterations)
     if unit.offsets is None:
+        run_engrams = [engram_params(cfg, params, {group.layer(i, run.offset + j) for i in iterations
+                                                   for j in range(run.count)}) for run in group.runs]
+
         def cycle(flow, xs):
             p_runs, first, slot = xs
             ys = []
-            for run, p_run in zip(group.runs, p_runs):
+            for run, p_run, engrams in zip(group.runs, p_runs, run_engrams):
                 indices = first + run.offset + jnp.arange(run.count, dtype=jnp.int32)
-                flow, y = _run(cfg, run.spec, p_run, flow, ctx, indices, slot)
+                flow, y = _run(cfg, run.spec, p_run, flow, ctx, indices, slot, engrams)
                 ys.append(y)
             return flow, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
 
@@ -329,8 +369,9 @@ def run_unit(cfg: ModelConfig, params: dict, unit: Unit, flow: Flow, ctx: Contex
         a, b = max(lo, run.offset), min(hi, run.offset + run.count)
         if a < b:
             p = jax.tree.map(lambda x: x[unit.i0, a - run.offset:b - run.offset], p_group[ri])
-            indices = jnp.arange(group.layer(unit.i0, a), group.layer(unit.i0, b), dtype=jnp.int32)
-            flow, y = _run(cfg, run.spec, p, flow, ctx, indices, slot)
+            layers = range(group.layer(unit.i0, a), group.layer(unit.i0, b))
+            indices = jnp.arange(layers.start, layers.stop, dtype=jnp.int32)
+            flow, y = _run(cfg, run.spec, p, flow, ctx, indices, slot, engram_params(cfg, params, layers))
             ys.append(y)
     return flow, jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
 
@@ -340,7 +381,8 @@ def _enter(cfg: ModelConfig, params: dict, split: int, flow: Flow, ctx: Context,
     """The split layer: its compressor on every row, the rest of it on the decoder tail's rows."""
     spec = layer_plan(cfg)[split]
     slot = None if spec.kv_source is None else jnp.int32(kv_address(cfg, spec.kv_source)[1])
-    one = remat_lib.wrap(lambda flow, p: layer(cfg, spec, p, flow, ctx, jnp.int32(split), slot, enter=decoder),
+    engrams = engram_params(cfg, params, {split})
+    one = remat_lib.wrap(lambda flow, p: layer(cfg, spec, p, flow, ctx, jnp.int32(split), slot, engrams, decoder),
                          ctx.remat, scanned=False)
     flow, y = one(flow, layer_params(cfg, params, split))
     return flow, jax.tree.map(lambda a: a[None], y)

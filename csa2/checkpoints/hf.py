@@ -209,7 +209,7 @@ def _leaf(tree: dict, path: tuple) -> np.ndarray:
 
 def _packed_table(cfg: ModelConfig, t: Tensor) -> bool:
     """Whether `t` is an Engram table the model keeps packed (`engram_table_format="fp8"`)."""
-    return cfg.engram_table_format == "fp8" and t.path[-2:] == ("engram", "table")
+    return cfg.engram_table_format == "fp8" and t.path[0] == "engram" and t.path[-1] == "table"
 
 
 def _table_bits(store: shards_lib.Shards, t: Tensor) -> tuple[np.ndarray, np.ndarray]:

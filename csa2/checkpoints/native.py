@@ -14,13 +14,16 @@ checkpoint of another kind, whose config (RELEASED and VARIANT fields) differs f
 or whose parameters follow another layout, is refused by name before any array is read (DESIGN §7).
 `with_drafter` puts a drafter into full params.
 
-Parameter layout 2 (`LAYOUT`): `{"embed", "groups", "norm", "head"}`, where `groups[g][r]` is run r
-of `layout.layer_groups(cfg)[g]`, every leaf stacked `[iterations, layers of the run, ...]`, and
-each variable stored under its attribute name (`groups.2.0.attn.wq_a.value`). Layout 1 (one
-stacked pytree per run of identical layers, `layers.i.…`) is refused with that message. Arrays come back bit-identical
-in the structure of the caller's `*_like` pytrees (optax states are NamedTuples); a dtype or shape that differs from the
-saved one is refused, never cast, padded or truncated. Saves are synchronous: when `save` returns,
-the step is on disk.
+Parameter layout 3 (`LAYOUT`): `{"embed", "groups", "engram", "norm", "head"}`, where `groups[g][r]` is run r
+of `layout.layer_groups(cfg)[g]`, every leaf stacked `[iterations, layers of the run, ...]`, `engram[k]` the
+n-gram memory of the k-th Engram layer, and each variable stored under its attribute name
+(`groups.2.0.attn.wq_a.value`). A backbone saved in layout 2 (Engram inside its layer, `csa2.relayout`) is read
+for inference by `restore_params`, moved to layout 3 with its values unchanged; resuming its training is refused
+(its optimizer state is laid out as its parameters were). A drafter's parameters are the same in both. Layout 1
+(one stacked pytree per run of identical layers, `layers.i.…`) is refused with that message. Arrays come back
+bit-identical in the structure of the caller's `*_like` pytrees (optax states are NamedTuples); a dtype or shape
+that differs from the saved one is refused, never cast, padded or truncated. Saves are synchronous: when `save`
+returns, the step is on disk.
 
 Damage is refused, never restored. `meta` holds a SHA-256 of every array leaf (`digests`, written by saves whose
 arrays are all addressable from this process, i.e. every single-process save); a restore checks each leaf it reads
@@ -47,10 +50,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from csa2 import relayout
 from csa2.config import ModelConfig, YarnScaling, model_differences
+from csa2.layout import LAYOUT, LAYOUTS
 from csa2.model import DRAFTER, abstract_params
 
-LAYOUT = 2  # parameter layout version, see the module docstring
 _TRAIN_FIRST = "train first with python -m train --out DIR, or pass the directory a run wrote"
 
 
@@ -202,10 +206,10 @@ def _meta(mngr: ocp.CheckpointManager, step: int) -> dict:
     except Exception as err:
         raise _damaged(mngr.directory, step, "the metadata item (meta)", err, mngr) from err
     layout = meta.get("layout", 1)
-    if layout != LAYOUT:
+    if layout not in LAYOUTS:
         raise ValueError(f"checkpoint {mngr.directory} step {step}: parameters in layout {layout}, this csa2 reads "
-                         f"layout {LAYOUT} (nnx modules stacked by layer group, see csa2.checkpoints.native); restore "
-                         "it with the csa2 version that wrote it, or train again")
+                         f"layouts {LAYOUTS} (nnx modules stacked by layer group, see csa2.checkpoints.native); "
+                         "restore it with the csa2 version that wrote it, or train again")
     return meta
 
 
@@ -329,6 +333,10 @@ def restore(directory, cfg: ModelConfig, *, params_like, opt_state_like, kind: s
     _require_dir(directory)
     with _manager(directory) as mngr:
         step, meta, _ = _open(mngr, directory, step, kind, cfg)
+        if kind == BACKBONE and meta.get("layout") != LAYOUT:
+            raise ValueError(f"checkpoint {directory} step {step}: a backbone in parameter layout "
+                             f"{meta.get('layout')}, whose optimizer state follows that layout; this csa2 trains in "
+                             f"layout {LAYOUT}. Read its parameters with restore_params and start a new run from them")
         if not meta.get("has_opt_state", True):
             raise ValueError(f"checkpoint {directory} step {step}: the {kind} was saved without optimizer state, so "
                              "its training cannot resume; start a new run or use restore_params")
@@ -363,8 +371,10 @@ def restore_params(directory, cfg: ModelConfig | None = None, step: int | None =
         step, meta, stored = _open(mngr, directory, step, kind, cfg)
         cfg = stored if cfg is None else cfg
         like = _params_like(cfg, kind) if like is None else like
-        params = _restore_arrays(mngr, directory, step, {"params": like}, meta.get("digests"))["params"]
-    return cfg, params
+        older = kind == BACKBONE and meta["layout"] != LAYOUT
+        saved = abstract_params(cfg, layout=meta["layout"]) if older else like
+        params = _restore_arrays(mngr, directory, step, {"params": saved}, meta.get("digests"))["params"]
+    return cfg, relayout.from_layout2(cfg, params, like) if older else params
 
 
 def check_dir(directory, cfg: ModelConfig, kind: str) -> None:

@@ -4,7 +4,8 @@ One `Tensor` per released tensor of a config: its name in the safetensors files,
 (torch layout, `nn.Linear` weights `[out, in]`), how it is stored (a `WeightFormat` with a sibling
 `<base>.scale`, or a float dtype), and where it lands: `path` into the pure dict of parameters,
 `index` into that leaf's stacked axes (`[iterations, layers of the run]` of `layout.layer_groups`, then
-the expert), and the `layout` that turns one into the other (layout: released → parameter; tensors):
+the expert; none for an Engram memory, `engram[k]`), and the `layout` that turns one into the other (layout:
+released → parameter; tensors):
 
 - `as_is`: unchanged; norms, sinks, biases, mHC base/scale, embed, Engram table and norm weights, Markov embedding
 - `linear`: transposed: `[out, in]` → `[in, out]` (x @ w); every projection, router, experts, mHC `fn`, LM head,
@@ -121,14 +122,6 @@ def _block(cfg: ModelConfig, spec: LayerSpec, n_experts: int, pre: str, path: tu
     d, q, h, dh = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim
     g, r, i, hc = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size, cfg.hc_mult
     mix = (2 + hc) * hc
-    if spec.has_engram:
-        rows, t = engram_table_rows(cfg, spec.index), n_tables(cfg)
-        yield _quant(f"{pre}.engram.embed.weight", (rows, cfg.engram_head_dim), FP8_ROWS, path + ("engram", "table"),
-                     index, "as_is")
-        yield _quant(f"{pre}.engram.wkv.weight", ((hc + 1) * d, t * cfg.engram_head_dim), FP8_BLOCK,
-                     path + ("engram", "wkv"), index)
-        for w in ("q_weight", "k_weight"):
-            yield _float(f"{pre}.engram.{w}", (hc, d), "BF16", path + ("engram", w), index)
     for site in ("attn", "ffn"):
         yield _float(f"{pre}.{site}_norm.weight", (d,), "BF16", path + (f"{site}_norm",), index)
         yield _float(f"{pre}.hc_{site}_fn", (mix, hc * d), "F32", path + (f"{site}_hc", "fn"), index, "linear")
@@ -169,6 +162,16 @@ def _block(cfg: ModelConfig, spec: LayerSpec, n_experts: int, pre: str, path: tu
             yield _quant(f"{f}.shared_experts.{w}.weight", shape, FP8_BLOCK, mp + ("shared", w), index)
 
 
+def _engram(cfg: ModelConfig, layer: int, k: int) -> Iterator[Tensor]:
+    """The tensors of Engram layer `layer`, the k-th of `engram_layer_ids`: its memory is `engram[k]`."""
+    d, hc, hd = cfg.hidden_size, cfg.hc_mult, cfg.engram_head_dim
+    pre, path = f"layers.{layer}.engram", ("engram", k)
+    yield _quant(f"{pre}.embed.weight", (engram_table_rows(cfg, layer), hd), FP8_ROWS, path + ("table",), (), "as_is")
+    yield _quant(f"{pre}.wkv.weight", ((hc + 1) * d, n_tables(cfg) * hd), FP8_BLOCK, path + ("wkv",), ())
+    for w in ("q_weight", "k_weight"):
+        yield _float(f"{pre}.{w}", (hc, d), "BF16", path + (w,), ())
+
+
 def _drafter(cfg: ModelConfig) -> Iterator[Tensor]:
     d, v, rank, n = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank, cfg.num_nextn_predict_layers
     draft_cfg = draft_moe_config(cfg)
@@ -202,6 +205,8 @@ def tensors(cfg: ModelConfig) -> tuple[Tensor, ...]:
     out = [_float("embed.weight", (v, d), "BF16", ("embed",), ())]
     addresses = _addresses(cfg)
     for spec in layer_plan(cfg):
+        if spec.has_engram:
+            out.extend(_engram(cfg, spec.index, cfg.engram_layer_ids.index(spec.index)))
         path, index = addresses[spec.index]
         out.extend(_block(cfg, spec, cfg.n_routed_experts, f"layers.{spec.index}", path, index))
     out.append(_float("norm.weight", (d,), "BF16", ("norm",), ()))

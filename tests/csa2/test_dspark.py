@@ -36,7 +36,7 @@ def test_drafter_parameters_are_their_own_subtree(mini_params):
     assert drafter["confidence"].shape == (d + r,)
     assert len(drafter["stages"]) == MINI.num_nextn_predict_layers
     assert drafter["stages"][0]["moe"]["router"].shape == (d, MINI.dspark_n_routed_experts)
-    assert set(p) == {"embed", "groups", "norm", "head", model.DRAFTER}
+    assert set(p) == {"embed", "groups", "engram", "norm", "head", model.DRAFTER}
     no_draft = MINI.replace(num_nextn_predict_layers=0)
     assert model.DRAFTER not in arrays(model.abstract_params(no_draft))
     assert init_state(no_draft, 1, 16).draft.payload.shape[1] == 0

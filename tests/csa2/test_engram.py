@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from csa2 import engram as E
+from csa2 import engram as E, stack
+from csa2.chunk import Chunk
+from csa2.context import Context
+from csa2.hooks import OWN_TOPK
 from csa2.presets import preset
 from pallas_kernels.formats import WINDOW
 from pallas_kernels.stored import Stored
@@ -312,3 +315,30 @@ def test_packed_table_gathers_then_decodes_the_same_rows_as_its_float_decoding(m
     np.testing.assert_array_equal(E.engram(cfg, packed, X, ids), E.engram(cfg, dense, X, ids))
     with pytest.raises(ValueError, match=r"params\['table_scale'\]: shape \(3, 1\)"):
         E.engram(cfg, {**packed, "table_scale": packed["table_scale"][:3]}, X, ids)
+
+
+def test_a_layer_body_applies_only_the_memory_of_its_own_layer():
+    """A scanned body that covers Engram layers (`stack._engram`, one `lax.switch` on the traced layer index) adds
+    layer 1's memory at layer 1 and layer 14's at layer 14, each hashed with its own constants, and nothing at any
+    other layer."""
+    cfg = TINY
+    engrams = tuple((layer, _engram_params(cfg, layer, jax.random.PRNGKey(layer))) for layer in cfg.engram_layer_ids)
+    rng = np.random.default_rng(7)
+    b, s = 2, 5
+    history = jnp.asarray(rng.integers(0, cfg.engram_compressed_vocab_size, (b, cfg.engram_max_ngram_size - 1 + s)),
+                          jnp.int32)
+    X = jnp.asarray(rng.normal(size=(b, s, cfg.hc_mult, cfg.hidden_size)), jnp.float32)
+    n_valid = jnp.asarray([s, 3], jnp.int32)
+    zeros = jnp.zeros((b,), jnp.int32)
+    ctx = Context(chunk=Chunk(start=zeros, n_valid=n_valid, floor=zeros), history=history, rows=None,
+                  written_from=None, quantize=False, instrument=OWN_TOPK, entries=0, split=cfg.first_decoder_layer,
+                  decoder_floor=zeros)
+    body = jax.jit(lambda X, index: stack._engram(cfg, engrams, X, ctx, index))
+    valid = jnp.arange(s)[None] < n_valid[:, None]
+    for index in (0, 1, 2, 14, 15, 39):
+        want = X
+        for layer, params in engrams:
+            if layer == index:
+                want = E.engram(cfg, params, X, E.engram_hashes(cfg, layer, history), valid)
+        np.testing.assert_allclose(body(X, jnp.int32(index)), want, rtol=1e-6, atol=1e-6, err_msg=f"layer {index}")
+    assert not np.allclose(body(X, jnp.int32(1)), body(X, jnp.int32(14)))

@@ -3,7 +3,17 @@ addresses and the repeating layer groups (DESIGN §5)."""
 
 import pytest
 
-from csa2.layout import Group, LayerSpec, Run, format_plan, kv_address, kv_stacks, layer_groups, layer_plan
+from csa2.layout import (
+    Group,
+    LayerSpec,
+    Run,
+    format_groups,
+    format_plan,
+    kv_address,
+    kv_stacks,
+    layer_groups,
+    layer_plan,
+)
 from csa2.presets import preset
 
 FIELDS = ("role", "ratio", "kv_source", "index_source", "is_encoder", "has_engram", "uses_candidates",
@@ -225,26 +235,35 @@ def test_kv_address_rejects_a_layer_that_is_not_a_source(tiny, layer):
 
 # (first layer, iterations, period, runs as (offset, count, role)), written from the plans above.
 V41_GROUPS = [
-    (0, 1, 1, [(0, 1, "swa")]),  # 0
-    (1, 1, 1, [(0, 1, "swa")]),  # 1: engram (per-layer hashing constants) → its own group
-    (2, 2, 6, [(0, 1, "full"), (1, 5, "reuse")]),  # 2..13: [Full + 5 Reuse] × 2
-    (14, 1, 6, [(0, 1, "full"), (1, 5, "reuse")]),  # 14..19: Full with engram + 5 Reuse
+    (0, 2, 1, [(0, 1, "swa")]),  # 0, 1 (Engram at 1)
+    (2, 3, 6, [(0, 1, "full"), (1, 5, "reuse")]),  # 2..19: [Full + 5 Reuse] × 3 (Engram at 14)
     (20, 1, 4, [(0, 1, "full"), (1, 3, "reuse")]),  # 20..23: the candidate source + 3 Reuse
     (24, 4, 4, [(0, 1, "reindex"), (1, 3, "reuse")]),  # 24..39: [Reindex + 3 Reuse] × 4
 ]
+# Parameter layout 2: an Engram layer (per-layer hashing constants, and its memory inside it) in a group of its own.
+V41_GROUPS_LAYOUT2 = [
+    (0, 1, 1, [(0, 1, "swa")]),  # 0
+    (1, 1, 1, [(0, 1, "swa")]),  # 1: Engram
+    (2, 2, 6, [(0, 1, "full"), (1, 5, "reuse")]),  # 2..13: [Full + 5 Reuse] × 2
+    (14, 1, 6, [(0, 1, "full"), (1, 5, "reuse")]),  # 14..19: Full with Engram + 5 Reuse
+    *V41_GROUPS[2:],
+]
 MINI_GROUPS = [
     (0, 1, 1, [(0, 1, "swa")]),  # 0
-    (1, 1, 3, [(0, 1, "full"), (1, 2, "reuse")]),  # 1..3: Full with engram + 2 Reuse
+    (1, 1, 3, [(0, 1, "full"), (1, 2, "reuse")]),  # 1..3: Full (Engram at 1) + 2 Reuse
     (4, 1, 2, [(0, 1, "full"), (1, 1, "reuse")]),  # 4, 5: the candidate source + Reuse
     (6, 1, 2, [(0, 1, "reindex"), (1, 1, "reuse")]),  # 6, 7
 ]
 
 
-@pytest.mark.parametrize("name,expected", [("v41_flash", V41_GROUPS), ("tiny", V41_GROUPS), ("mini", MINI_GROUPS)])
-def test_layer_groups_hand_written(name, expected):
+@pytest.mark.parametrize("name,layout,expected", [
+    ("v41_flash", 3, V41_GROUPS), ("tiny", 3, V41_GROUPS), ("mini", 3, MINI_GROUPS),
+    ("v41_flash", 2, V41_GROUPS_LAYOUT2), ("mini", 2, MINI_GROUPS),
+])
+def test_layer_groups_hand_written(name, layout, expected):
     cfg = preset(name)
     plan = layer_plan(cfg)
-    groups = layer_groups(cfg)
+    groups = layer_groups(cfg, layout)
     assert all(isinstance(g, Group) and all(isinstance(r, Run) for r in g.runs) for g in groups)
     got = [(g.first, g.count, g.period, [(r.offset, r.count, r.spec.role) for r in g.runs]) for g in groups]
     assert got == expected
@@ -254,18 +273,24 @@ def test_layer_groups_hand_written(name, expected):
             assert r.spec == plan[g.first + r.offset]  # the run's first layer in iteration 0
 
 
+def test_layer_groups_refuse_an_unknown_layout(mini):
+    with pytest.raises(ValueError, match=r"layout=1: parameters are stacked in one of the layouts \(2, 3\)"):
+        layer_groups(mini, 1)
+
+
 def test_layer_groups_details_v41_flash(v41_flash):
     groups = layer_groups(v41_flash)
-    assert groups[1].runs[0].spec.has_engram and not groups[0].runs[0].spec.has_engram
-    assert groups[3].runs[0].spec.has_engram and not groups[2].runs[0].spec.has_engram
-    assert groups[4].runs[0].spec.is_candidate_source
-    assert all(r.spec.is_encoder for g in groups[:4] for r in g.runs)
-    assert not any(r.spec.is_encoder for g in groups[4:] for r in g.runs)
-    assert groups[5].runs[0].spec.uses_candidates
-    assert [groups[5].layer(i, 0) for i in range(4)] == [24, 28, 32, 36]
-    assert groups[2].layer(1, 3) == 11 and groups[2].end == 14
+    assert groups[2].runs[0].spec.is_candidate_source
+    assert all(r.spec.is_encoder for g in groups[:2] for r in g.runs)
+    assert not any(r.spec.is_encoder for g in groups[2:] for r in g.runs)
+    assert groups[3].runs[0].spec.uses_candidates
+    assert [groups[3].layer(i, 0) for i in range(4)] == [24, 28, 32, 36]
+    assert groups[1].layer(1, 3) == 11 and groups[1].layer(2, 0) == 14 and groups[1].end == 20
+    assert format_groups(v41_flash).splitlines()[:2] == [
+        "  layers  0–1   2 × [swa]  Engram at 1", "  layers  2–19  3 × [full, reuse ×5]  Engram at 14"]
 
 
+@pytest.mark.parametrize("layout", [2, 3])
 @pytest.mark.parametrize("name,changes", [
     ("v41_flash", {}), ("tiny", {}), ("mini", {}), ("demo", {}),
     ("v41_flash", dict(candidate_source_layer_id=-1)),
@@ -273,12 +298,12 @@ def test_layer_groups_details_v41_flash(v41_flash):
     ("tiny", dict(compress_ratios=(0,) + (2,) * 9 + (1,) * 30, kv_source_layer_ids=(1, 10),
                   index_source_layer_ids=(1, 10, 15), candidate_source_layer_id=10, engram_layer_ids=(3,))),
 ])
-def test_layer_groups_cover_every_layer_once_in_order(name, changes):
+def test_layer_groups_cover_every_layer_once_in_order(name, changes, layout):
     """Walking groups → iterations → runs → layers visits layers 0 … L−1 in order, each exactly once, and
-    every layer has its run's structure (role, ratio, part, candidates, engram)."""
+    every layer has its run's structure (role, ratio, part, candidates; in layout 2 also Engram)."""
     cfg = preset(name).replace(**changes)
     plan = layer_plan(cfg)
-    groups = layer_groups(cfg)
+    groups = layer_groups(cfg, layout)
     order = []
     for g in groups:
         assert [r.offset for r in g.runs] == [sum(r.count for r in g.runs[:i]) for i in range(len(g.runs))]
@@ -289,9 +314,13 @@ def test_layer_groups_cover_every_layer_once_in_order(name, changes):
                     layer = g.layer(i, r.offset + j)
                     order.append(layer)
                     spec = plan[layer]
-                    assert (spec.role, spec.ratio, spec.is_encoder, spec.uses_candidates, spec.is_candidate_source,
-                            spec.has_engram) == (r.spec.role, r.spec.ratio, r.spec.is_encoder, r.spec.uses_candidates,
-                                                 r.spec.is_candidate_source, r.spec.has_engram), layer
+                    structure = (spec.role, spec.ratio, spec.is_encoder, spec.uses_candidates,
+                                 spec.is_candidate_source)
+                    assert structure == (r.spec.role, r.spec.ratio, r.spec.is_encoder, r.spec.uses_candidates,
+                                         r.spec.is_candidate_source), layer
+                    if layout == 2:
+                        assert spec.has_engram == r.spec.has_engram and (
+                            not spec.has_engram or g.count == r.count == 1), layer
     assert order == list(range(cfg.num_hidden_layers))
     assert [g.first for g in groups] == [0] + [g.end for g in groups[:-1]]
     assert groups[-1].end == cfg.num_hidden_layers

@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 
 from csa2 import model
-from csa2.engram import PackedRows
+from csa2.engram import PackedRows, engram_table_rows
 from csa2.engram_vocab import DefaultTable
 from csa2.layout import layer_groups, layer_plan
 from csa2.moe import RouterBias, bias_update
-from csa2.params import Fill, Normal, arrays
+from csa2.params import Fill, Normal, arrays, initialize
 from csa2.stack import layer_params
 from pallas_kernels.formats import WINDOW
 from pallas_kernels.stored import Stored
@@ -26,7 +26,7 @@ def _variables(params):
 
 def test_init_params_returns_the_model_state(mini, mini_params):
     assert isinstance(mini_params, nnx.State)
-    assert set(mini_params.keys()) == {"embed", "groups", "norm", "head", model.DRAFTER}
+    assert set(mini_params.keys()) == {"embed", "groups", "engram", "norm", "head", model.DRAFTER}
     kinds = {}
     for path, v in _variables(mini_params):
         kinds[path] = type(v)
@@ -57,7 +57,26 @@ def test_layout_follows_the_layer_groups(tiny, tiny_params):
         lp = layer_params(tiny, p, spec.index)
         assert ("compressor" in lp["attn"]) == (spec.role == "full")
         assert ("indexer" in lp["attn"]) == (spec.role in ("full", "reindex"))
-        assert ("engram" in lp) == spec.has_engram
+        assert "engram" not in lp
+    assert [tiny_params["engram"][k]["table"].shape[0] for k in range(2)] == [  # tables differ in rows: unstacked
+        engram_table_rows(tiny, layer) for layer in tiny.engram_layer_ids]
+
+
+def test_a_key_draws_the_values_it_drew_in_layout_2(tiny, tiny_params):
+    """`init_params` draws in parameter layout 2 (each Engram memory inside its layer, an Engram layer a group of its
+    own) and moves the values: every layer holds what `initialize` draws at its place in layout 2."""
+    old = arrays(initialize(model.abstract_params(tiny, layout=2), jax.random.PRNGKey(1)))  # tiny_params's key
+    new = arrays(tiny_params)
+    for gi, group in enumerate(layer_groups(tiny, 2)):
+        for ri, run in enumerate(group.runs):
+            for it in range(group.count):
+                for j in range(run.count):
+                    layer = group.layer(it, run.offset + j)
+                    drawn = jax.tree.map(lambda a: a[it, j], old["groups"][gi][ri])
+                    if "engram" in drawn:
+                        k = tiny.engram_layer_ids.index(layer)
+                        jax.tree.map(np.testing.assert_array_equal, new["engram"][k], drawn.pop("engram"))
+                    jax.tree.map(np.testing.assert_array_equal, layer_params(tiny, new, layer), drawn)
 
 
 def test_layers_are_initialized_independently(tiny, tiny_params):
@@ -111,7 +130,7 @@ def test_packed_engram_rows_are_the_float_twins_rows_packed(mini):
                              engram_pad_id=0)
     floats = nnx.to_flat_state(model.init_params(cfg, jax.random.PRNGKey(5)))
     packed = dict(nnx.to_flat_state(model.init_params(packed_cfg, jax.random.PRNGKey(5))))
-    tables = [(path, v) for path, v in floats if path[-2:] == ("engram", "table")]
+    tables = [(path, v) for path, v in floats if path[0] == "engram" and path[-1] == "table"]
     assert tables
     for path, v in tables:
         want = Stored.quantized(v.get_value(), WINDOW)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from csa2.checkpoints import native as checkpoint
 from csa2.config import ModelConfig
+from csa2.layout import layer_groups
 from csa2.model import DRAFTER, abstract_params
 from csa2.moe import RouterBias
 from csa2.presets import preset
@@ -152,7 +153,7 @@ def test_checkpoint_of_another_layout_is_refused(tmp_path, layout):
     params, opt_state = save_small(directory, 1)
     meta_file = directory / "1" / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
-    assert meta["layout"] == checkpoint.LAYOUT == 2
+    assert meta["layout"] == checkpoint.LAYOUT == 3
     if layout is None:
         del meta["layout"]
     else:
@@ -166,8 +167,45 @@ def test_checkpoint_of_another_layout_is_refused(tmp_path, layout):
     for call in calls:
         with pytest.raises(ValueError, match="layout 1") as e:
             call()
-        assert "layout 2" in str(e.value) and str(directory) in str(e.value)
+        assert "layouts (2, 3)" in str(e.value) and str(directory) in str(e.value)
     assert checkpoint.latest_step(directory) == 1  # the refused save wrote nothing
+
+
+def test_a_layout_2_backbone_is_read_for_inference_and_refused_for_resuming(tmp_path, monkeypatch):
+    """A backbone saved in layout 2 (each Engram memory inside its layer) comes back from `restore_params` in layout
+    3 with every layer's values where layout 3 puts them, found here by walking both layouts' groups; resuming its
+    training is refused, since its optimizer state follows the old layout."""
+    cfg = preset("tiny")  # the released schedule: layout 2 has ten groups, layout 3 four
+    old = random_like(abstract_params(cfg, layout=2), 4)
+    directory = tmp_path / "run"
+    monkeypatch.setattr(checkpoint, "LAYOUT", 2)
+    checkpoint.save(directory, 1, params=old, opt_state=optax.EmptyState(), cfg=cfg)
+    monkeypatch.undo()
+    _, params = checkpoint.restore_params(directory, cfg)
+    assert jax.tree.structure(params) == jax.tree.structure(abstract_params(cfg))
+
+    def by_layer(params, layout):
+        out = {}
+        for gi, group in enumerate(layer_groups(cfg, layout)):
+            for ri, run in enumerate(group.runs):
+                for it in range(group.count):
+                    for j in range(run.count):
+                        run_params = nnx.to_pure_dict(params["groups"][gi][ri])
+                        out[group.layer(it, run.offset + j)] = jax.tree.map(lambda a: np.asarray(a[it, j]), run_params)
+        return out
+
+    old_layers, new_layers = by_layer(old, 2), by_layer(params, 3)
+    for layer in range(cfg.num_hidden_layers):
+        engram = old_layers[layer].pop("engram", None)
+        assert_bit_identical(new_layers[layer], old_layers[layer])
+        if engram is not None:
+            k = cfg.engram_layer_ids.index(layer)
+            assert_bit_identical(nnx.to_pure_dict(params["engram"][k]), engram)
+    for key in ("embed", "norm", "head"):
+        assert_bit_identical(params[key], old[key])
+    with pytest.raises(ValueError, match="a backbone in parameter layout 2, whose optimizer state follows that "
+                                         "layout; this csa2 trains in layout 3"):
+        checkpoint.restore(directory, cfg, params_like=abstract_params(cfg), opt_state_like=optax.EmptyState())
 
 
 def test_saving_another_config_into_a_run_is_refused(tiny, tmp_path):

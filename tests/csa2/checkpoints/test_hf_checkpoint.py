@@ -163,8 +163,8 @@ def test_loaded_values_are_the_hand_decoded_tensors_in_parameter_layout(released
     leaf = p["groups"][t.path[1]][t.path[2]]["moe"]["w2"]
     np.testing.assert_array_equal(leaf[t.index], stored("layers.3.ffn.experts.5.w2", weights.FP4).T)
     t = table["layers.1.engram.embed.weight"]
-    np.testing.assert_array_equal(p["groups"][t.path[1]][t.path[2]]["engram"]["table"][t.index],
-                                  stored("layers.1.engram.embed", weights.FP8_ROWS))
+    assert (t.path, t.index) == (("engram", 0, "table"), ())  # layer 1 holds the first Engram memory, unstacked
+    np.testing.assert_array_equal(p["engram"][0]["table"], stored("layers.1.engram.embed", weights.FP8_ROWS))
     t = table["layers.6.attn.wo_a.weight"]
     wo_a = stored("layers.6.attn.wo_a", weights.FP8_BLOCK).reshape(cfg.o_groups, cfg.o_lora_rank, -1)
     np.testing.assert_array_equal(p["groups"][t.path[1]][t.path[2]]["attn"]["wo_a"][t.index], wo_a.transpose(0, 2, 1))
@@ -218,20 +218,20 @@ def test_fp8_engram_tables_stay_packed_bit_for_bit(tmp_path):
     _, dense = load_hf(tmp_path / "src", cfg)
     store = Shards(tmp_path / "src")
     t = next(t for t in released.tensors(cfg) if t.name.endswith("engram.embed.weight"))
-    engram = host(packed)["groups"][t.path[1]][t.path[2]]["engram"]
+    engram = host(packed)["engram"][t.path[1]]
     assert engram["table"][t.index].tobytes() == np.asarray(store.read(t.name)).tobytes()
     assert engram["table_scale"][t.index].tobytes() == np.asarray(store.read(t.scale_name)).tobytes()
-    assert type(packed["groups"][t.path[1]][t.path[2]]["engram"]["table"]).__name__ == "EngramRows"
+    assert type(packed["engram"][t.path[1]]["table"]).__name__ == "EngramRows"
     decoded = weights.decode(weights.FP8_ROWS, engram["table"][t.index].view(ml_dtypes.float8_e4m3fn),
                              engram["table_scale"][t.index])
-    np.testing.assert_array_equal(host(dense)["groups"][t.path[1]][t.path[2]]["engram"]["table"][t.index], decoded)
+    np.testing.assert_array_equal(host(dense)["engram"][t.path[1]]["table"][t.index], decoded)
     save_hf(packed, packed_cfg, tmp_path / "again", formats="released")
     again = Shards(tmp_path / "again")
     for name in (t.name, t.scale_name):
         assert np.asarray(again.read(name)).tobytes() == np.asarray(store.read(name)).tobytes()
     save_hf(packed, packed_cfg, tmp_path / "float")  # a float export decodes the table
     _, back = load_hf(tmp_path / "float", cfg)
-    np.testing.assert_array_equal(host(back)["groups"][t.path[1]][t.path[2]]["engram"]["table"][t.index], decoded)
+    np.testing.assert_array_equal(host(back)["engram"][t.path[1]]["table"][t.index], decoded)
 
 
 def test_the_compressed_vocabulary_comes_from_the_checkpoints_tokenizer(tmp_path):
