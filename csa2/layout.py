@@ -195,6 +195,18 @@ def layer_groups(cfg: ModelConfig, layout: int = LAYOUT) -> tuple[Group, ...]:
     return tuple(groups)
 
 
+@functools.lru_cache(maxsize=None)
+def addresses(cfg: ModelConfig, layout: int = LAYOUT) -> dict[int, tuple[int, int, int, int]]:
+    """Layer → where its parameters sit in the stacking of `layout`: (group, iteration, run, layer of the run)."""
+    out = {}
+    for gi, group in enumerate(layer_groups(cfg, layout)):
+        for ri, run in enumerate(group.runs):
+            for it in range(group.count):
+                for j in range(run.count):
+                    out[group.layer(it, run.offset + j)] = (gi, it, ri, j)
+    return out
+
+
 def format_groups(cfg: ModelConfig) -> str:
     """One line per group of `layer_groups(cfg)`: its layers, iterations, the runs of its body and its Engram
     layers."""

@@ -17,22 +17,11 @@ import numpy as np
 from flax import nnx
 
 from csa2.config import ModelConfig
-from csa2.layout import layer_groups
-
-
-def _addresses(cfg: ModelConfig, layout: int) -> dict[int, tuple[int, int, int, int]]:
-    """Layer → (group, run, iteration, layer of the run) of its parameters in `layout`."""
-    out = {}
-    for gi, group in enumerate(layer_groups(cfg, layout)):
-        for ri, run in enumerate(group.runs):
-            for it in range(group.count):
-                for j in range(run.count):
-                    out[group.layer(it, run.offset + j)] = (gi, ri, it, j)
-    return out
+from csa2.layout import addresses, layer_groups
 
 
 def _layer(tree: dict, address: tuple[int, int, int, int]) -> dict:
-    gi, ri, it, j = address
+    gi, it, ri, j = address
     return jax.tree.map(lambda a: a[it, j], tree["groups"][gi][ri])
 
 
@@ -49,7 +38,7 @@ def _host(a):
 def from_layout2(cfg: ModelConfig, params: nnx.State, like: nnx.State) -> nnx.State:
     """`params` (an `nnx.State` in layout 2) in layout 3, in the structure and variable types of `like` (the
     layout-3 `model.abstract_params(cfg)`, filled in place and returned)."""
-    tree, old = jax.tree.map(_host, nnx.to_pure_dict(params)), _addresses(cfg, 2)
+    tree, old = jax.tree.map(_host, nnx.to_pure_dict(params)), addresses(cfg, 2)
     layers = {layer: _layer(tree, address) for layer, address in old.items()}  # views: slicing copies nothing
     groups = {gi: {ri: _stack([_stack([_without_engram(layers[group.layer(it, run.offset + j)])
                                        for j in range(run.count)]) for it in range(group.count)])

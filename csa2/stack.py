@@ -34,7 +34,7 @@ from csa2.context import Context
 from csa2.engram import Engram
 from csa2.hooks import OWN_TOPK, Instrument
 from csa2.indexer import Bus
-from csa2.layout import LAYOUT, Group, LayerSpec, kv_address, layer_groups, layer_plan
+from csa2.layout import LAYOUT, Group, LayerSpec, addresses, kv_address, layer_groups, layer_plan
 from csa2.mesh import gather_fsdp
 from csa2.moe import MoE, moe
 from csa2.norm import rms_norm
@@ -109,13 +109,9 @@ def engram_params(cfg: ModelConfig, params: dict, layers) -> Engrams:
 
 def locate(cfg: ModelConfig, layer: int) -> tuple[int, int, int, int]:
     """Where `layer` sits in the stacked layout: (group, iteration, run, index within the run)."""
-    for gi, group in enumerate(layer_groups(cfg)):
-        if group.first <= layer < group.end:
-            iteration, offset = divmod(layer - group.first, group.period)
-            for ri, run in enumerate(group.runs):
-                if run.offset <= offset < run.offset + run.count:
-                    return gi, iteration, ri, offset - run.offset
-    raise ValueError(f"locate: layer={layer} is outside the model's {cfg.num_hidden_layers} layers")
+    if layer not in addresses(cfg):
+        raise ValueError(f"locate: layer={layer} is outside the model's {cfg.num_hidden_layers} layers")
+    return addresses(cfg)[layer]
 
 
 def layer_params(cfg: ModelConfig, params: dict, layer: int) -> dict:

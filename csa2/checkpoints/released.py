@@ -45,7 +45,7 @@ from csa2.checkpoints.weights import FP4, FP8_BLOCK, FP8_ROWS, WeightFormat
 from csa2.config import ModelConfig
 from csa2.dspark import DRAFTER, draft_moe_config, stage_spec
 from csa2.engram import engram_table_rows, n_tables
-from csa2.layout import LayerSpec, layer_groups, layer_plan
+from csa2.layout import LayerSpec, addresses, layer_plan
 
 LAYOUTS = ("as_is", "linear", "grouped", "row")
 SKIPPED = (
@@ -188,27 +188,15 @@ def _drafter(cfg: ModelConfig) -> Iterator[Tensor]:
     yield _float(f"{last}.confidence_head.proj.weight", (1, d + rank), "BF16", (DRAFTER, "confidence"), (), "row")
 
 
-def _addresses(cfg: ModelConfig) -> dict[int, tuple[tuple, tuple[int, int]]]:
-    """Layer → (path of its run's parameters, (iteration, layer of the run)) in the stacked groups."""
-    out = {}
-    for gi, group in enumerate(layer_groups(cfg)):
-        for ri, run in enumerate(group.runs):
-            for it in range(group.count):
-                for j in range(run.count):
-                    out[group.layer(it, run.offset + j)] = (("groups", gi, ri), (it, j))
-    return out
-
-
 def tensors(cfg: ModelConfig) -> tuple[Tensor, ...]:
     """Every released tensor of `cfg` (a quantized one once, by its `.weight` name), in layer order."""
     d, v = cfg.hidden_size, cfg.vocab_size
     out = [_float("embed.weight", (v, d), "BF16", ("embed",), ())]
-    addresses = _addresses(cfg)
     for spec in layer_plan(cfg):
         if spec.has_engram:
             out.extend(_engram(cfg, spec.index, cfg.engram_layer_ids.index(spec.index)))
-        path, index = addresses[spec.index]
-        out.extend(_block(cfg, spec, cfg.n_routed_experts, f"layers.{spec.index}", path, index))
+        gi, it, ri, j = addresses(cfg)[spec.index]
+        out.extend(_block(cfg, spec, cfg.n_routed_experts, f"layers.{spec.index}", ("groups", gi, ri), (it, j)))
     out.append(_float("norm.weight", (d,), "BF16", ("norm",), ()))
     out.append(_float("head.weight", (v, d), "BF16", ("head",), (), "linear"))
     if cfg.num_nextn_predict_layers:

@@ -7,6 +7,7 @@ from csa2.layout import (
     Group,
     LayerSpec,
     Run,
+    addresses,
     format_groups,
     format_plan,
     kv_address,
@@ -305,14 +306,15 @@ def test_layer_groups_cover_every_layer_once_in_order(name, changes, layout):
     plan = layer_plan(cfg)
     groups = layer_groups(cfg, layout)
     order = []
-    for g in groups:
+    for gi, g in enumerate(groups):
         assert [r.offset for r in g.runs] == [sum(r.count for r in g.runs[:i]) for i in range(len(g.runs))]
         assert sum(r.count for r in g.runs) == g.period
         for i in range(g.count):
-            for r in g.runs:
+            for ri, r in enumerate(g.runs):
                 for j in range(r.count):
                     layer = g.layer(i, r.offset + j)
                     order.append(layer)
+                    assert addresses(cfg, layout)[layer] == (gi, i, ri, j), layer
                     spec = plan[layer]
                     structure = (spec.role, spec.ratio, spec.is_encoder, spec.uses_candidates,
                                  spec.is_candidate_source)
